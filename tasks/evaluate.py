@@ -1,0 +1,89 @@
+"""Stage `evaluate`: the iteration's policy against the reference on held-out prompts.
+
+Reported: win rate by the judge and by the reward model (ties half, 95% bootstrap interval,
+counts, tie and invalid rates), mean judge score of both, KL(policy || reference) per response,
+and response lengths. One metrics JSON per iteration plus the paired samples.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tasks import jsonl, layout, lm, stage
+from tasks.judges import PointwiseJudge, Verdict, judge_pair, make_judge
+from tasks.records import Rollout, prompt_to_record
+from tasks.reward_model import load_reward_model, rewards
+from tasks.rollout import load_prompts, sample_rollouts
+from tasks.winrate import win_rate
+
+
+@torch.no_grad()
+def kl_per_response(policy: torch.nn.Module, ref: torch.nn.Module,
+                    samples: Sequence[Rollout], pad_id: int) -> float:
+    """Monte-Carlo KL(pi || ref): mean over policy samples of sum_t log pi - log ref."""
+    prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+    pi, mask = lm.response_logprobs(policy, prompts, responses, pad_id)
+    ref_lp, _ = lm.response_logprobs(ref, prompts, responses, pad_id)
+    return float(((pi - ref_lp) * mask).sum(-1).mean())
+
+
+def rm_verdicts(r_policy: torch.Tensor, r_ref: torch.Tensor) -> list[Verdict]:
+    return ["A" if a > b else "B" if b > a else "tie" for a, b in zip(r_policy.tolist(),
+                                                                        r_ref.tolist())]
+
+
+def compare(judge: PointwiseJudge, pol: Sequence[Rollout], ref: Sequence[Rollout],
+            n_boot: int, seed: int) -> tuple[dict[str, float], list[Verdict]]:
+    verdicts = [judge_pair(judge, a.prompt, a.text, b.text) for a, b in zip(pol, ref)]
+    wr = win_rate(verdicts, n_boot, seed)
+    s_pol = [x for x in judge.score([s.prompt for s in pol], [s.text for s in pol]) if x is not None]
+    s_ref = [x for x in judge.score([s.prompt for s in ref], [s.text for s in ref]) if x is not None]
+    metrics = {
+        "eval/win_rate": wr["win_rate"], "eval/win_rate_ci_low": wr["ci_low"],
+        "eval/win_rate_ci_high": wr["ci_high"], "eval/n": wr["n"],
+        "eval/tie_rate": wr["rate_tie"], "eval/invalid_rate": wr["rate_invalid"],
+        "eval/judge_score": sum(s_pol) / max(len(s_pol), 1),
+        "eval/ref_judge_score": sum(s_ref) / max(len(s_ref), 1),
+    }
+    return metrics, verdicts
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = stage.parse(argv, __doc__ or "")
+    p, it, root = args.params, args.it, args.root
+    pol_dir, ref_dir = root / layout.policy(it), root / layout.policy(0)
+    policy, ref, tok = lm.load_causal_lm(pol_dir), lm.load_causal_lm(ref_dir), lm.load_tokenizer(pol_dir)
+    prompts = load_prompts(str(root / layout.PROMPTS_HELDOUT), p.evaluate.n_prompts)
+    gen, mpt = p.evaluate.generation, p.model.max_prompt_tokens
+    pol = sample_rollouts(policy, tok, prompts, 1, gen, mpt, lm.weights_md5(pol_dir), it,
+                          stage.generator(p.seed, 4, it))
+    refs = sample_rollouts(ref, tok, prompts, 1, gen, mpt, lm.weights_md5(ref_dir), 0,
+                           stage.generator(p.seed, 5))     # same reference samples every iteration
+    metrics, verdicts = compare(make_judge(p.judge), pol, refs, p.evaluate.bootstrap, p.seed)
+    rm = load_reward_model(root / layout.reward_model(it))
+    with torch.no_grad():
+        r_pol = rewards(rm, [s.prompt_ids for s in pol], [s.response_ids for s in pol], tok.pad_token_id)
+        r_ref = rewards(rm, [s.prompt_ids for s in refs], [s.response_ids for s in refs], tok.pad_token_id)
+    rm_wr = win_rate(rm_verdicts(r_pol, r_ref), p.evaluate.bootstrap, p.seed)
+    len_pol = sum(len(s.response_ids) for s in pol) / len(pol)
+    len_ref = sum(len(s.response_ids) for s in refs) / len(refs)
+    metrics.update({
+        "eval/rm_win_rate": rm_wr["win_rate"], "eval/rm_win_rate_ci_low": rm_wr["ci_low"],
+        "eval/rm_win_rate_ci_high": rm_wr["ci_high"],
+        "eval/kl": kl_per_response(policy, ref, pol, tok.pad_token_id),
+        "eval/length": len_pol, "eval/ref_length": len_ref,
+        "eval/length_ratio": len_pol / max(len_ref, 1e-9),
+    })
+    jsonl.write(root / layout.eval_samples(it), (
+        {"prompt_id": a.prompt_id, "prompt": prompt_to_record(a.prompt), "policy": a.text,
+         "reference": b.text, "judge_verdict": v, "rm_policy": float(x), "rm_reference": float(y)}
+        for a, b, v, x, y in zip(pol, refs, verdicts, r_pol.tolist(), r_ref.tolist())))
+    stage.write_metrics(root, layout.metrics(it, "evaluate"), metrics)
+    print(f"evaluate@{it}: win rate {metrics['eval/win_rate']:.3f} "
+          f"[{metrics['eval/win_rate_ci_low']:.3f}, {metrics['eval/win_rate_ci_high']:.3f}], "
+          f"KL {metrics['eval/kl']:.3f}")
+
+
+if __name__ == "__main__":
+    stage.run_main(lambda: main())

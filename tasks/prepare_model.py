@@ -1,0 +1,54 @@
+"""Stage `prepare_model`: the initial policy (iteration 0), saved as safetensors in the workspace.
+
+Sources: `tiny` (random init from a config, for tests), `gguf` (a GGUF file shipped inside an
+installed package, de-quantized once; the default SmolLM2-135M-Instruct), `hf_dir` (a local
+directory written by save_pretrained). The result is DVC-tracked, so the conversion runs once.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from tasks import atomic, layout, lm, stage
+from tasks.params import ModelParams
+
+_HF_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja")
+
+
+def copy_hf_dir(src: Path, out_dir: Path) -> dict[str, object]:
+    lm.check_model_dir(src)
+    if not list(src.glob("*.safetensors")):
+        raise lm.ModelError(f"{src}: no *.safetensors weights (save with safe_serialization)")
+    for pattern in _HF_FILES:
+        for f in src.glob(pattern):
+            shutil.copy2(f, out_dir / f.name)
+    lm.load_tokenizer(out_dir)            # fail now, not three stages later
+    return {"copied_from": str(src)}
+
+
+def prepare(p: ModelParams, seed: int, out_dir: Path) -> dict[str, object]:
+    """Write the initial model and tokenizer into the (new, empty) out_dir; returns info."""
+    t0 = time.perf_counter()
+    if p.source == "tiny":
+        from tasks.tiny_model import save_tiny
+        info = save_tiny(p.tiny, seed, out_dir)
+    elif p.source == "gguf":
+        from tasks.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
+        info = convert_gguf_to_hf(find_packaged_gguf(p.gguf_package, p.gguf_file or None), out_dir)
+    else:
+        info = copy_hf_dir(Path(p.path).expanduser(), out_dir)
+    return {"source": p.source, "seconds": round(time.perf_counter() - t0, 3), **info}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = stage.parse(argv, __doc__ or "")
+    out = args.root / layout.policy(0)
+    with atomic.directory(out) as tmp:
+        info = prepare(args.params.model, args.params.seed, tmp)
+        atomic.write_json(tmp / layout.MODEL_META, {"iteration": 0, "role": "policy", **info})
+    print(f"prepare_model: {info['source']} model at {layout.policy(0)} ({info['seconds']} s)")
+
+
+if __name__ == "__main__":
+    stage.run_main(lambda: main())

@@ -1,0 +1,149 @@
+"""The records that flow between stages, and their strict parsing from stored JSON.
+
+Preference pairs are accepted in TRL's two explicit-prompt formats:
+- standard:        {"prompt": str, "chosen": str, "rejected": str}
+- conversational:  {"prompt": [{"role", "content"}...], "chosen": [{"role": "assistant", ...}],
+                    "rejected": [...]}
+Both normalise to a PreferencePair whose prompt is a tuple of chat messages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tasks.jsonl import DataError
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+Prompt = tuple[Message, ...]
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    prompt: Prompt
+    chosen: str
+    rejected: str
+    source: str                                  # "import", "cold_start", "iter_3", ...
+    meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def to_record(self) -> dict[str, Any]:
+        return {"prompt": prompt_to_record(self.prompt), "chosen": self.chosen,
+                "rejected": self.rejected, "source": self.source, "meta": self.meta}
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled response with everything needed to reuse it later off-policy."""
+    prompt_id: str
+    prompt: Prompt
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]       # sampler's per-token log-probs, one per response token
+    finished: bool                    # True: ended with EOS; False: truncated at max_new_tokens
+    text: str
+    policy: str                       # version of the policy that sampled it (md5 of its weights)
+    iteration: int
+    sampling: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def to_record(self) -> dict[str, Any]:
+        return {"prompt_id": self.prompt_id, "prompt": prompt_to_record(self.prompt),
+                "prompt_ids": list(self.prompt_ids), "response_ids": list(self.response_ids),
+                "logprobs": list(self.logprobs), "finished": self.finished, "text": self.text,
+                "policy": self.policy, "iteration": self.iteration, "sampling": self.sampling}
+
+
+def prompt_to_record(prompt: Prompt) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in prompt]
+
+
+def _where(source: str, line: int) -> str:
+    return f"{source}:{line}"
+
+
+def _text(rec: dict[str, Any], key: str, where: str) -> str:
+    if key not in rec:
+        raise DataError(f"{where}: missing field '{key}'")
+    value = rec[key]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise DataError(f"{where}: field '{key}' is empty")
+    return value
+
+
+def _messages(value: Any, key: str, where: str) -> Prompt:
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field '{key}' must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or set(m) - {"role", "content"} or "role" not in m:
+            raise DataError(f"{where}: field '{key}[{i}]' must be an object with role and content")
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: field '{key}[{i}].role' must be one of {ROLES}, "
+                            f"got {m['role']!r}")
+        out.append(Message(m["role"], _content(m, key, i, where)))
+    return tuple(out)
+
+
+def _content(m: dict[str, Any], key: str, i: int, where: str) -> str:
+    c = m.get("content")
+    if not isinstance(c, str) or not c.strip():
+        raise DataError(f"{where}: field '{key}[{i}].content' must be a non-empty string")
+    return c
+
+
+def parse_prompt(rec: dict[str, Any], where: str, key: str = "prompt") -> Prompt:
+    if key not in rec:
+        raise DataError(f"{where}: missing field '{key}'")
+    if isinstance(rec[key], str):
+        return (Message("user", _text(rec, key, where)),)
+    return _messages(rec[key], key, where)
+
+
+def _completion(rec: dict[str, Any], key: str, where: str) -> str:
+    if key not in rec:
+        raise DataError(f"{where}: missing field '{key}'")
+    if isinstance(rec[key], str):
+        return _text(rec, key, where)
+    msgs = _messages(rec[key], key, where)
+    if len(msgs) != 1 or msgs[0].role != "assistant":
+        raise DataError(f"{where}: field '{key}' must hold exactly one assistant message "
+                        "(implicit-prompt conversations are not supported; split out 'prompt')")
+    return msgs[0].content
+
+
+def parse_pair(rec: dict[str, Any], source: str, line: int, default_source: str) -> PreferencePair:
+    where = _where(source, line)
+    prompt = parse_prompt(rec, where)
+    chosen, rejected = _completion(rec, "chosen", where), _completion(rec, "rejected", where)
+    meta = rec.get("meta", {})
+    if not isinstance(meta, dict):
+        raise DataError(f"{where}: field 'meta' must be an object")
+    return PreferencePair(prompt, chosen, rejected, str(rec.get("source", default_source)), meta)
+
+
+def parse_rollout(rec: dict[str, Any], source: str, line: int) -> Rollout:
+    where = _where(source, line)
+    try:
+        r = Rollout(
+            prompt_id=str(rec["prompt_id"]), prompt=parse_prompt(rec, where),
+            prompt_ids=tuple(int(t) for t in rec["prompt_ids"]),
+            response_ids=tuple(int(t) for t in rec["response_ids"]),
+            logprobs=tuple(float(x) for x in rec["logprobs"]), finished=bool(rec["finished"]),
+            text=str(rec["text"]), policy=str(rec["policy"]), iteration=int(rec["iteration"]),
+            sampling=dict(rec.get("sampling", {})))
+    except KeyError as e:
+        raise DataError(f"{where}: missing field '{e.args[0]}'") from None
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{where}: malformed rollout: {e}") from None
+    if len(r.logprobs) != len(r.response_ids):
+        raise DataError(f"{where}: field 'logprobs' has {len(r.logprobs)} entries for "
+                        f"{len(r.response_ids)} response tokens")
+    return r

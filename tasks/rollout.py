@@ -1,0 +1,78 @@
+"""Stage `rollout`: K on-policy samples per prompt from the current policy.
+
+Each rollout keeps what off-policy reuse needs later: prompt and response token ids, the
+sampler's per-token log-probs, whether it ended with EOS or was truncated, the sampling
+settings, and the version (weights md5) and iteration of the policy that produced it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+
+import torch
+import transformers
+
+from tasks import jsonl, layout, lm, sampling, stage
+from tasks.params import GenerationParams
+from tasks.records import Prompt, Rollout, parse_prompt
+
+
+def load_prompts(path: str, limit: int | None = None,
+                 offset: int = 0) -> list[tuple[str, Prompt]]:
+    """(prompt_id, prompt) pairs; with a limit, a window starting at offset (wrapping)."""
+    rows = [(str(rec.get("prompt_id", f"line{n}")), parse_prompt(rec, f"{path}:{n}"))
+            for n, rec in jsonl.read(path)]
+    if limit is None or not rows:
+        return rows
+    return [rows[(offset + i) % len(rows)] for i in range(min(limit, len(rows)))]
+
+
+def sample_rollouts(model: torch.nn.Module, tok: transformers.PreTrainedTokenizerBase,
+                    prompts: Sequence[tuple[str, Prompt]], k: int, gen: GenerationParams,
+                    max_prompt_tokens: int, policy_version: str, iteration: int,
+                    rng: torch.Generator) -> list[Rollout]:
+    """K samples per prompt, grouped by prompt in input order."""
+    ids = [lm.render_prompt(tok, prompt, max_prompt_tokens) for _, prompt in prompts]
+    flat = [i for i in range(len(prompts)) for _ in range(k)]
+    samples = sampling.sample(model, [ids[i] for i in flat], batch_size=gen.batch_size,
+                              max_new_tokens=gen.max_new_tokens, eos_id=tok.eos_token_id,
+                              pad_id=tok.pad_token_id, temperature=gen.temperature,
+                              top_p=gen.top_p, generator=rng)
+    settings = asdict(gen)
+    out = []
+    for i, s in zip(flat, samples):
+        pid, prompt = prompts[i]
+        text = tok.decode(s.response_ids, skip_special_tokens=True).strip()
+        out.append(Rollout(pid, prompt, tuple(ids[i]), s.response_ids, s.logprobs, s.finished,
+                           text, policy_version, iteration, settings))
+    return out
+
+
+def rollout_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    n = max(len(rollouts), 1)
+    return {
+        "rollout/n": float(len(rollouts)),
+        "rollout/mean_length": sum(len(r.response_ids) for r in rollouts) / n,
+        "rollout/truncated_rate": sum(not r.finished for r in rollouts) / n,
+        "rollout/mean_logprob": sum(sum(r.logprobs) for r in rollouts) / n,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = stage.parse(argv, __doc__ or "")
+    p, it = args.params, args.it
+    policy_dir = args.root / layout.policy(it - 1)
+    model, tok = lm.load_causal_lm(policy_dir), lm.load_tokenizer(policy_dir)
+    prompts = load_prompts(str(args.root / layout.PROMPTS_TRAIN), p.rollout.n_prompts,
+                           offset=(it - 1) * p.rollout.n_prompts)
+    rollouts = sample_rollouts(model, tok, prompts, p.rollout.samples_per_prompt,
+                               p.rollout.generation, p.model.max_prompt_tokens,
+                               lm.weights_md5(policy_dir), it, stage.generator(p.seed, 1, it))
+    jsonl.write(args.root / layout.rollouts(it), (r.to_record() for r in rollouts))
+    metrics = rollout_metrics(rollouts)
+    stage.write_metrics(args.root, layout.metrics(it, "rollout"), metrics)
+    print(f"rollout@{it}: {len(rollouts)} samples from {layout.policy(it - 1)}")
+
+
+if __name__ == "__main__":
+    stage.run_main(lambda: main())
