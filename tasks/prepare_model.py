@@ -28,8 +28,8 @@ def copy_hf_dir(src: Path, out_dir: Path) -> dict[str, object]:
 
 
 def prepare(p: ModelParams, seed: int, out_dir: Path) -> dict[str, object]:
-    """Write the initial model and tokenizer into the (new, empty) out_dir; returns info."""
-    t0 = time.perf_counter()
+    """Write the initial model and tokenizer into the (new, empty) out_dir; returns info
+    (deterministic: it is stored with the model, and equal inputs must give equal bytes)."""
     if p.source == "tiny":
         from tasks.tiny_model import save_tiny
         info = save_tiny(p.tiny, seed, out_dir)
@@ -38,16 +38,21 @@ def prepare(p: ModelParams, seed: int, out_dir: Path) -> dict[str, object]:
         info = convert_gguf_to_hf(find_packaged_gguf(p.gguf_package, p.gguf_file or None), out_dir)
     else:
         info = copy_hf_dir(Path(p.path).expanduser(), out_dir)
-    return {"source": p.source, "seconds": round(time.perf_counter() - t0, 3), **info}
+    info.pop("seconds", None)
+    if "source" in info:
+        info["source_file"] = info.pop("source")
+    return {**info, "source": p.source}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "")
     out = args.root / layout.policy(0)
+    t0 = time.perf_counter()
     with atomic.directory(out) as tmp:
         info = prepare(args.params.model, args.params.seed, tmp)
         atomic.write_json(tmp / layout.MODEL_META, {"iteration": 0, "role": "policy", **info})
-    print(f"prepare_model: {info['source']} model at {layout.policy(0)} ({info['seconds']} s)")
+    print(f"prepare_model: {info['source']} model at {layout.policy(0)} "
+          f"({time.perf_counter() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

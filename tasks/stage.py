@@ -32,6 +32,7 @@ def parse(argv: list[str] | None, description: str) -> StageArgs:
     root = Path(ns.root).resolve()
     params = load_params(root / layout.PARAMS_FILE)
     torch.set_num_threads(int(os.environ.get(THREADS_ENV, os.cpu_count() or 1)))
+    torch.manual_seed(params.seed)      # implicit inits (a new reward head) are reproducible
     return StageArgs(params, root, ns.it)
 
 

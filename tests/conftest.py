@@ -1,0 +1,71 @@
+"""Test isolation: every Prefect, MLflow and DVC store lives in this session's temp dirs.
+
+No test touches the user's ~/.prefect, an MLflow server, or a DVC site cache; no test
+downloads anything (the offline switches are set for every process the tests start).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "params" / "tiny.yaml"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("stores")
+    for var in ("PREFECT_API_URL", "PREFECT_PROFILE", "MLFLOW_TRACKING_URI", "PREFECT_HOME"):
+        os.environ.pop(var, None)
+    env = {"PREFECT_HOME": str(base / "prefect"), "DVC_SITE_CACHE_DIR": str(base / "dvc-site"),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "true",
+           "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "DVC_NO_ANALYTICS": "1", "ALIGNLOOP_THREADS": "2",
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+    os.environ.update(env)
+    return env
+
+
+def run_cli(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `alignloop ARGS` in a fresh interpreter, as a user would."""
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"alignloop {' '.join(args)} exited {proc.returncode}\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """md5 of every file a run may write, except the state stores and DVC's own tmp/cache."""
+    import hashlib
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and not rel.startswith((".alignloop/", ".git/", ".dvc/tmp/")):
+            out[rel] = hashlib.md5(p.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """Two iterations of the tiny profile in a fresh workspace, run twice through the CLI."""
+    ws = tmp_path_factory.mktemp("tiny") / "ws"
+    first = run_cli("run", "--params", str(TINY), "--workspace", str(ws))
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ws, capture_output=True,
+                          text=True).stdout.strip()
+    before = snapshot(ws)
+    second = run_cli("run", "--params", str(TINY), "--workspace", str(ws))
+    head2 = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ws, capture_output=True,
+                           text=True).stdout.strip()
+    return {"ws": ws, "first": first, "second": second, "before": before,
+            "after": snapshot(ws), "head": head, "head2": head2}
+
+
+def read_json(path: Path) -> object:
+    return json.loads(path.read_text())

@@ -1,0 +1,119 @@
+"""The whole loop through the CLI: two tiny iterations in a temp workspace, then a rerun."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from conftest import run_cli
+from tasks import layout
+
+ITERATIONS = (1, 2)
+
+
+def _lock(ws: Path) -> dict:
+    return yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
+
+
+def test_every_stage_output_exists_with_its_md5_in_dvc_lock(tiny_run):
+    ws, lock = tiny_run["ws"], _lock(tiny_run["ws"])
+    expected = {"prompts", "prepare_model", "collect_offpolicy"} | {
+        f"{s}@{i}" for s in ("rollout", "judge", "train_rm", "update", "evaluate")
+        for i in ITERATIONS}
+    assert set(lock) == expected
+    for name, entry in lock.items():
+        assert entry["outs"], name
+        for out in entry["outs"]:
+            path = ws / out["path"]
+            assert path.exists(), f"{name}: {out['path']} missing"
+            if path.is_file():   # DVC 3 file md5 is the md5 of the bytes
+                assert hashlib.md5(path.read_bytes()).hexdigest() == out["md5"], out["path"]
+            else:
+                assert out["md5"].endswith(".dir") and out["nfiles"] > 0
+
+
+def test_progress_output_names_each_stage(tiny_run):
+    out = tiny_run["first"].stdout
+    for name in ("prompts", "rollout@1", "judge@2", "evaluate@2"):
+        assert f"[ran] {name}" in out
+
+
+def test_second_run_is_fully_cached_and_changes_nothing(tiny_run):
+    out = tiny_run["second"].stdout
+    assert "[ran]" not in out and "[restored]" not in out
+    assert out.count("[cached]") == 13
+    assert tiny_run["head2"] == tiny_run["head"]
+    assert tiny_run["after"] == tiny_run["before"]
+
+
+def test_status_reports_every_stage_up_to_date(tiny_run):
+    proc = run_cli("status", "--workspace", str(tiny_run["ws"]), "--json")
+    states = json.loads(proc.stdout)
+    assert len(states) == 13
+    assert {s["state"] for s in states} == {"up-to-date"}
+
+
+def test_report_has_per_iteration_metrics(tiny_run):
+    report = json.loads(run_cli("report", "--workspace", str(tiny_run["ws"]), "--json").stdout)
+    for it in ITERATIONS:
+        m = report[str(it)]
+        for key in ("eval/win_rate", "eval/kl", "eval/rm_win_rate", "rm/accuracy",
+                    "judge/n_pairs", "update/steps"):
+            assert key in m, (it, key)
+        assert 0.0 <= m["eval/win_rate"] <= 1.0
+
+
+def test_one_git_commit_per_iteration(tiny_run):
+    ws = tiny_run["ws"]
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=ws, capture_output=True,
+                         text=True).stdout.splitlines()
+    assert log[:3] == ["alignloop: iteration 2", "alignloop: iteration 1",
+                       "alignloop: iteration 0"]
+    assert not subprocess.run(["git", "status", "--porcelain"], cwd=ws, capture_output=True,
+                              text=True).stdout.strip()
+
+
+def test_data_pushed_to_the_dvc_remote(tiny_run):
+    ws = tiny_run["ws"]
+    remote = ws / ".alignloop" / "dvc-remote"
+    for entry in _lock(ws).values():
+        for out in entry["outs"]:
+            if out["path"].startswith("metrics/"):
+                continue                     # metrics are git-tracked (cache: false)
+            md5 = out["md5"]
+            assert (remote / "files" / "md5" / md5[:2] / md5[2:]).exists(), out["path"]
+
+
+def test_policies_registered_with_lineage_tags(tiny_run):
+    from mlflow.tracking import MlflowClient
+
+    ws = tiny_run["ws"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{ws / '.alignloop' / 'mlflow.db'}")
+    versions = sorted(client.search_model_versions("name = 'alignloop-policy'"),
+                      key=lambda v: int(v.version))
+    assert [v.version for v in versions] == ["1", "2"]            # the rerun added none
+    lock = _lock(ws)
+    commits = subprocess.run(["git", "log", "--format=%H"], cwd=ws, capture_output=True,
+                             text=True).stdout.split()
+    for it, v in zip(ITERATIONS, versions):
+        tags = v.tags
+        entry = lock[f"update@{it}"]
+        assert tags["dvc_stage"] == f"update@{it}"
+        assert tags["git_commit"] in commits
+        assert tags["model_md5"] == entry["outs"][0]["md5"]
+        for dep in entry["deps"]:
+            if not dep["path"].startswith("tasks/"):
+                assert tags[f"input:{dep['path']}"] == dep["md5"]
+        assert tags["judge"] == "lexicon:vader-v1"
+        assert tags["prefect_flow_run_id"]
+        assert tags["parent_policy_version"] == ("initial" if it == 1 else "1")
+        assert tags["reward_model_version"]
+        assert Path(v.source) == ws / layout.policy(it)
+    runs = client.search_runs([client.get_experiment_by_name("alignloop").experiment_id],
+                              filter_string="tags.`alignloop.dvc_stage` = 'update@2'")
+    assert len(runs) == 1
+    parent = runs[0].data.tags["mlflow.parentRunId"]
+    assert client.get_run(parent).data.tags["alignloop.iteration"] == "2"
