@@ -33,7 +33,8 @@ def import_pairs(path: Path) -> list[PreferencePair]:
             if "train" not in ds:
                 raise DataError(f"{path}: DatasetDict without a 'train' split ({list(ds)})")
             ds = ds["train"]
-        pairs = [parse_pair(dict(rec), f"{path}[row", n, "import") for n, rec in enumerate(ds)]
+        pairs = [parse_pair(dict(rec), str(path), n, "import", where=f"{path} (row {n + 1})")
+                 for n, rec in enumerate(ds)]
     else:
         pairs = [parse_pair(rec, str(path), n, "import") for n, rec in jsonl.read(path)]
     if not pairs:

@@ -2,11 +2,12 @@
 
 Each top-level section of a profile (``params/tiny.yaml``, ``params/default.yaml``) maps to one
 frozen dataclass. Unknown keys, wrong types and out-of-range values fail at load time with the
-file, line and dotted key named, e.g. ``params.yaml:12: train_rm.lr: expected a number, got 'x'``.
+file, line and dotted key named, e.g. ``params.yaml:12: train_rm.lr: expected a finite number, got 'x'``.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,13 +148,23 @@ class Params:
 def _line_index(node: yaml.Node, path: tuple[str, ...], out: dict[tuple[str, ...], int]) -> None:
     out[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
         for key, value in node.value:
             sub = path + (str(key.value),)
+            if str(key.value) in seen:      # YAML lets the last one win silently; we do not
+                raise _DuplicateKey(sub, key.start_mark.line + 1)
+            seen.add(str(key.value))
             out[sub] = key.start_mark.line + 1
             _line_index(value, sub, out)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             _line_index(item, path + (str(i),), out)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, path: tuple[str, ...], line: int):
+        super().__init__(path, line)
+        self.path, self.line = path, line
 
 
 class _Builder:
@@ -202,14 +213,17 @@ class _Builder:
     def _float(self, value: Any, path: tuple[str, ...]) -> float:
         if isinstance(value, bool):
             self.fail(path, f"expected a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):   # YAML 1.1 reads 1e-5 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):   # YAML 1.1 reads 1e-5 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        self.fail(path, f"expected a number, got {value!r}")
+        if number is None or not math.isfinite(number):
+            self.fail(path, f"expected a finite number, got {value!r}")
+        return number
 
     def _dataclass(self, tp: type, value: Any, path: tuple[str, ...]) -> Any:
         if not isinstance(value, dict):
@@ -240,7 +254,10 @@ def parse_params(text: str, source: str = "<params>") -> Params:
         raise ParamsError(f"{source}:{line}: invalid YAML: {getattr(e, 'problem', e)}") from None
     lines: dict[tuple[str, ...], int] = {}
     if node is not None:
-        _line_index(node, (), lines)
+        try:
+            _line_index(node, (), lines)
+        except _DuplicateKey as e:
+            raise ParamsError(f"{source}:{e.line}: {'.'.join(e.path)}: duplicate key") from None
     builder = _Builder(source, lines)
     params = builder.build(Params, data if data is not None else {}, ())
     _check_ranges(params, builder)
@@ -250,11 +267,14 @@ def parse_params(text: str, source: str = "<params>") -> Params:
 def load_params(path: str | Path) -> Params:
     path = Path(path)
     try:
-        text = path.read_bytes().decode("utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ParamsError(f"{path}: params file not found") from None
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ParamsError(f"{path}: not valid UTF-8 (byte {e.start})") from None
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ParamsError(f"{path}:{line}: not valid UTF-8 (byte {e.start})") from None
     return parse_params(text, str(path))
 
 

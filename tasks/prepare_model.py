@@ -27,7 +27,7 @@ def copy_hf_dir(src: Path, out_dir: Path) -> dict[str, object]:
     return {"copied_from": str(src)}
 
 
-def prepare(p: ModelParams, seed: int, out_dir: Path) -> dict[str, object]:
+def prepare(p: ModelParams, seed: int, out_dir: Path, root: Path) -> dict[str, object]:
     """Write the initial model and tokenizer into the (new, empty) out_dir; returns info
     (deterministic: it is stored with the model, and equal inputs must give equal bytes)."""
     if p.source == "tiny":
@@ -37,7 +37,7 @@ def prepare(p: ModelParams, seed: int, out_dir: Path) -> dict[str, object]:
         from tasks.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
         info = convert_gguf_to_hf(find_packaged_gguf(p.gguf_package, p.gguf_file or None), out_dir)
     else:
-        info = copy_hf_dir(Path(p.path).expanduser(), out_dir)
+        info = copy_hf_dir(root / Path(p.path).expanduser(), out_dir)   # absolute paths win
     info.pop("seconds", None)
     if "source" in info:
         info["source_file"] = info.pop("source")
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     out = args.root / layout.policy(0)
     t0 = time.perf_counter()
     with atomic.directory(out) as tmp:
-        info = prepare(args.params.model, args.params.seed, tmp)
+        info = prepare(args.params.model, args.params.seed, tmp, args.root)
         atomic.write_json(tmp / layout.MODEL_META, {"iteration": 0, "role": "policy", **info})
     print(f"prepare_model: {info['source']} model at {layout.policy(0)} "
           f"({time.perf_counter() - t0:.1f} s)")

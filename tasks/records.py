@@ -119,8 +119,10 @@ def _completion(rec: dict[str, Any], key: str, where: str) -> str:
     return msgs[0].content
 
 
-def parse_pair(rec: dict[str, Any], source: str, line: int, default_source: str) -> PreferencePair:
-    where = _where(source, line)
+def parse_pair(rec: dict[str, Any], source: str, line: int, default_source: str,
+               where: str | None = None) -> PreferencePair:
+    """Normalise one stored pair; `where` overrides the "source:line" prefix of errors."""
+    where = where or _where(source, line)
     prompt = parse_prompt(rec, where)
     chosen, rejected = _completion(rec, "chosen", where), _completion(rec, "rejected", where)
     meta = rec.get("meta", {})

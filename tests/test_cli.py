@@ -34,7 +34,7 @@ def test_bad_params_leave_an_existing_workspace_untouched(tiny_run, tmp_path):
     bad = _bad_params(tmp_path, "    beta: 0.1 ", "    beta: lots ")
     proc = run_cli("run", "--params", str(bad), "--workspace", str(ws), check=False)
     assert proc.returncode == 2
-    assert f"{bad}:{_line_of(bad, 'beta: lots')}: update.dpo.beta: expected a number" in proc.stderr
+    assert f"{bad}:{_line_of(bad, 'beta: lots')}: update.dpo.beta: expected a finite number" in proc.stderr
     assert snapshot(ws) == before
 
 

@@ -94,7 +94,7 @@ def test_policies_registered_with_lineage_tags(tiny_run):
     client = MlflowClient(tracking_uri=f"sqlite:///{ws / '.alignloop' / 'mlflow.db'}")
     versions = sorted(client.search_model_versions("name = 'alignloop-policy'"),
                       key=lambda v: int(v.version))
-    assert [v.version for v in versions] == ["1", "2"]            # the rerun added none
+    assert [str(v.version) for v in versions] == ["1", "2"]       # the rerun added none
     lock = _lock(ws)
     commits = subprocess.run(["git", "log", "--format=%H"], cwd=ws, capture_output=True,
                              text=True).stdout.split()
@@ -103,7 +103,8 @@ def test_policies_registered_with_lineage_tags(tiny_run):
         entry = lock[f"update@{it}"]
         assert tags["dvc_stage"] == f"update@{it}"
         assert tags["git_commit"] in commits
-        assert tags["model_md5"] == entry["outs"][0]["md5"]
+        outs = {o["path"]: o["md5"] for o in entry["outs"]}
+        assert tags["model_md5"] == outs[layout.policy(it)]
         for dep in entry["deps"]:
             if not dep["path"].startswith("tasks/"):
                 assert tags[f"input:{dep['path']}"] == dep["md5"]

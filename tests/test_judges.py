@@ -1,0 +1,209 @@
+"""Judges on canned strings, the position swap, verdict counts, win rates, best-vs-worst."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from tasks.judge import best_vs_worst, judge_groups
+from tasks.judges import (LexiconJudge, Verdict, judge_pair, make_judge, verdict_from_scores,
+                          verdict_rates)
+from tasks.params import JudgeParams
+from tasks.records import Message, Prompt
+from tasks.winrate import win_rate
+
+PROMPT: Prompt = (Message("user", "Write a short review of Jaws."),)
+POSITIVE = "A wonderful, brilliant and beautiful film. I loved it, a true masterpiece!"
+NEGATIVE = "A terrible, boring and awful film. I hated it, a horrible waste of time."
+
+
+@pytest.fixture(scope="module")
+def lexicon() -> LexiconJudge:
+    return LexiconJudge(tie_margin=0.05, min_words=1, version="vader-v1")
+
+
+# --- the lexicon judge ------------------------------------------------------------------------
+
+def test_lexicon_scores_positive_above_negative(lexicon: LexiconJudge) -> None:
+    pos, neg, neutral = lexicon.score([PROMPT] * 3, [POSITIVE, NEGATIVE, "the film is a film"])
+    assert pos is not None and neg is not None and neutral is not None
+    assert pos > 0.5 and neg < -0.5
+    assert neg < neutral < pos
+    assert lexicon.compare(PROMPT, POSITIVE, NEGATIVE) == "A"
+    assert lexicon.compare(PROMPT, NEGATIVE, POSITIVE) == "B"
+    assert judge_pair(lexicon, PROMPT, POSITIVE, NEGATIVE) == "A"
+    assert judge_pair(lexicon, PROMPT, NEGATIVE, POSITIVE) == "B"
+
+
+def test_lexicon_equal_text_is_a_tie(lexicon: LexiconJudge) -> None:
+    assert judge_pair(lexicon, PROMPT, POSITIVE, POSITIVE) == "tie"
+
+
+def test_lexicon_empty_and_too_short_are_invalid(lexicon: LexiconJudge) -> None:
+    assert lexicon.score([PROMPT] * 2, ["", "   \n "]) == [None, None]
+    assert judge_pair(lexicon, PROMPT, "", POSITIVE) == "invalid"
+    assert judge_pair(lexicon, PROMPT, NEGATIVE, "") == "invalid"
+    strict = LexiconJudge(tie_margin=0.05, min_words=3, version="v")
+    good, short = strict.score([PROMPT] * 2, ["great great film", "great film"])
+    assert good is not None and short is None
+
+
+def test_make_judge_builds_the_configured_judge() -> None:
+    judge = make_judge(JudgeParams(kind="lexicon", version="vader-x", tie_margin=0.1))
+    assert judge.kind == "lexicon" and judge.version == "vader-x"
+    assert judge.compare(PROMPT, POSITIVE, NEGATIVE) == "A"
+
+
+def test_verdict_from_scores() -> None:
+    assert verdict_from_scores(0.5, 0.1, 0.05) == "A"
+    assert verdict_from_scores(0.1, 0.5, 0.05) == "B"
+    assert verdict_from_scores(0.5, 0.47, 0.05) == "tie"
+    assert verdict_from_scores(None, 0.5, 0.05) == "invalid"
+    assert verdict_from_scores(0.5, None, 0.05) == "invalid"
+
+
+# --- the position swap ------------------------------------------------------------------------
+
+@dataclass
+class FixedJudge:
+    """Says the same verdict whatever the order: a position-biased judge."""
+    verdict: Verdict
+    kind: str = "fixed"
+    version: str = "0"
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+    def compare(self, prompt: Prompt, first: str, second: str) -> Verdict:
+        self.calls.append((first, second))
+        return self.verdict
+
+
+@dataclass
+class TableJudge:
+    """A consistent pointwise judge: scores looked up in a table (missing: invalid)."""
+    scores: dict[str, float]
+    tie_margin: float = 0.0
+    kind: str = "table"
+    version: str = "1"
+
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float | None]:
+        return [self.scores.get(r) for r in responses]
+
+    def compare(self, prompt: Prompt, first: str, second: str) -> Verdict:
+        return verdict_from_scores(self.scores.get(first), self.scores.get(second),
+                                   self.tie_margin)
+
+
+def test_position_biased_judge_yields_tie() -> None:
+    judge = FixedJudge("A")
+    assert judge_pair(judge, PROMPT, "x", "y") == "tie"
+    assert judge.calls == [("x", "y"), ("y", "x")]        # both orders were shown
+    assert judge_pair(FixedJudge("B"), PROMPT, "x", "y") == "tie"
+
+
+def test_consistent_judge_verdict_stands() -> None:
+    judge = TableJudge({"good": 1.0, "bad": -1.0})
+    assert judge_pair(judge, PROMPT, "good", "bad") == "A"
+    assert judge_pair(judge, PROMPT, "bad", "good") == "B"
+    assert judge_pair(judge, PROMPT, "good", "good") == "tie"
+    assert judge_pair(FixedJudge("tie"), PROMPT, "x", "y") == "tie"
+
+
+def test_invalid_wins_over_any_verdict() -> None:
+    assert judge_pair(FixedJudge("invalid"), PROMPT, "x", "y") == "invalid"
+    judge = TableJudge({"good": 1.0})
+    assert judge_pair(judge, PROMPT, "good", "unknown") == "invalid"
+    assert judge_pair(judge, PROMPT, "unknown", "good") == "invalid"
+
+
+def test_verdict_rates_counts() -> None:
+    rates = verdict_rates(["A", "A", "B", "tie", "invalid", "A"])
+    assert rates["n"] == 6
+    assert (rates["n_A"], rates["n_B"], rates["n_tie"], rates["n_invalid"]) == (3, 1, 1, 1)
+    assert rates["rate_A"] == pytest.approx(0.5)
+    assert rates["rate_invalid"] == pytest.approx(1 / 6)
+    assert sum(rates[f"rate_{v}"] for v in ("A", "B", "tie", "invalid")) == pytest.approx(1.0)
+    empty = verdict_rates([])
+    assert empty["n"] == 0 and empty["rate_A"] == 0.0
+
+
+# --- win rates --------------------------------------------------------------------------------
+
+def test_win_rate_ties_count_half_and_invalid_is_excluded() -> None:
+    verdicts: list[Verdict] = ["A", "A", "B", "tie", "invalid", "invalid"]
+    wr = win_rate(verdicts, n_boot=200, seed=0)
+    assert wr["win_rate"] == pytest.approx((1 + 1 + 0 + 0.5) / 4)
+    assert wr["n"] == 6 and wr["n_invalid"] == 2 and wr["rate_invalid"] == pytest.approx(1 / 3)
+    assert wr["ci_low"] <= wr["win_rate"] <= wr["ci_high"]
+    assert wr["ci_low"] < wr["ci_high"]
+    assert win_rate(["tie", "tie"], 50, 0)["win_rate"] == 0.5
+
+
+def test_win_rate_interval_is_seeded() -> None:
+    verdicts: list[Verdict] = ["A", "B", "A", "tie", "B", "A", "A"]
+    assert win_rate(verdicts, 300, seed=7) == win_rate(verdicts, 300, seed=7)
+
+
+@pytest.mark.parametrize("v, rate", [("A", 1.0), ("B", 0.0), ("tie", 0.5)])
+def test_win_rate_interval_degenerate_when_all_verdicts_equal(v: Verdict, rate: float) -> None:
+    wr = win_rate([v] * 9 + ["invalid"], n_boot=100, seed=0)
+    assert wr["win_rate"] == rate
+    assert wr["ci_low"] == wr["ci_high"] == rate
+
+
+def test_win_rate_without_valid_verdicts_is_nan() -> None:
+    wr = win_rate(["invalid", "invalid"], 10, 0)
+    assert wr["win_rate"] != wr["win_rate"] and wr["n_invalid"] == 2
+
+
+# --- best vs worst ----------------------------------------------------------------------------
+
+def test_best_vs_worst_picks_max_and_min() -> None:
+    judge = TableJudge({"meh": 0.1, "best": 0.9, "worst": -0.8, "ok": 0.3})
+    pair, verdict, scores = best_vs_worst(judge, PROMPT, ["meh", "best", "worst", "ok"],
+                                          "iter_1", {"prompt_id": "p1"})
+    assert verdict == "A" and scores == [0.1, 0.9, -0.8, 0.3]
+    assert pair is not None
+    assert (pair.chosen, pair.rejected, pair.source, pair.prompt) == \
+        ("best", "worst", "iter_1", PROMPT)
+    assert pair.meta["prompt_id"] == "p1" and pair.meta["judge"] == "table:1"
+    assert (pair.meta["score_chosen"], pair.meta["score_rejected"]) == (0.9, -0.8)
+
+
+def test_best_vs_worst_skips_invalid_responses() -> None:
+    judge = TableJudge({"a": 0.2, "b": 0.5, "c": -0.1})
+    pair, verdict, scores = best_vs_worst(judge, PROMPT, ["a", "broken", "b", "c"], "s", {})
+    assert scores[1] is None and verdict == "A"
+    assert pair is not None and (pair.chosen, pair.rejected) == ("b", "c")
+
+
+def test_best_vs_worst_no_pair_when_all_scores_tie() -> None:
+    judge = TableJudge({"x": 0.3, "y": 0.3, "z": 0.3})
+    pair, verdict, _ = best_vs_worst(judge, PROMPT, ["x", "y", "z"], "s", {})
+    assert pair is None and verdict == "tie"
+
+
+def test_best_vs_worst_no_pair_within_tie_margin() -> None:
+    judge = TableJudge({"x": 0.30, "y": 0.32}, tie_margin=0.05)
+    pair, verdict, _ = best_vs_worst(judge, PROMPT, ["x", "y"], "s", {})
+    assert pair is None and verdict == "tie"
+
+
+def test_best_vs_worst_needs_two_valid_responses() -> None:
+    judge = TableJudge({"x": 0.3})
+    pair, verdict, _ = best_vs_worst(judge, PROMPT, ["x", "nope", "nada"], "s", {})
+    assert pair is None and verdict == "invalid"
+
+
+def test_judge_groups_metrics() -> None:
+    judge = TableJudge({"good": 1.0, "bad": -1.0, "same": 0.0})
+    groups = [(PROMPT, ["good", "bad"], {"prompt_id": "p1"}),
+              (PROMPT, ["same", "same"], {"prompt_id": "p2"}),
+              (PROMPT, ["good", "junk"], {"prompt_id": "p3"})]
+    pairs, m = judge_groups(judge, groups, "iter_2")
+    assert [(p.chosen, p.rejected) for p in pairs] == [("good", "bad")]
+    assert m["judge/n"] == 3 and m["judge/n_pairs"] == 1
+    assert (m["judge/n_A"], m["judge/n_tie"], m["judge/n_invalid"]) == (1, 1, 1)
+    assert m["judge/n_responses"] == 6
+    assert m["judge/invalid_response_rate"] == pytest.approx(1 / 6)
+    assert m["judge/mean_score"] == pytest.approx((1 - 1 + 0 + 0 + 1) / 5)

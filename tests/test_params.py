@@ -1,0 +1,178 @@
+"""Every params profile loads; bad ones fail naming the file, the line and the dotted key."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tasks.params import Params, ParamsError, load_params, parse_params, to_dict
+
+PARAMS_DIR = Path(__file__).resolve().parents[1] / "params"
+PROFILES = sorted(PARAMS_DIR.glob("*.yaml"))
+
+# A minimal valid profile; line numbers in the tests below count from its first line.
+BASE = """\
+seed: 0
+iterations:
+  "1": {prev: 0}
+  "2": {prev: 1}
+train_rm:
+  lr: 1.0e-3
+  epochs: 2
+update:
+  dpo:
+    beta: 0.1
+"""
+
+
+def write(tmp_path: Path, text: str | bytes, name: str = "params.yaml") -> Path:
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def load_error(path: Path) -> str:
+    with pytest.raises(ParamsError) as e:
+        load_params(path)
+    return str(e.value)
+
+
+def test_profiles_present() -> None:
+    assert PARAMS_DIR / "tiny.yaml" in PROFILES
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)
+def test_every_profile_loads(path: Path) -> None:
+    p = load_params(path)
+    assert isinstance(p, Params)
+    assert list(p.iterations) == [str(i) for i in range(1, len(p.iterations) + 1)]
+    assert to_dict(p)["seed"] == p.seed
+
+
+def test_tiny_profile_values() -> None:
+    p = load_params(PARAMS_DIR / "tiny.yaml")
+    assert p.model.source == "tiny"
+    assert p.iterations["2"].prev == 1
+    assert p.train_rm.lr == 1e-3 and isinstance(p.train_rm.lr, float)
+    assert p.update.algo == "dpo"
+
+
+def test_base_profile_is_valid(tmp_path: Path) -> None:
+    p = load_params(write(tmp_path, BASE))
+    assert p.train_rm.epochs == 2 and p.update.dpo.beta == 0.1
+
+
+def test_unknown_key(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE.replace("  epochs: 2\n", "  epochs: 2\n  epocs: 3\n"))
+    msg = load_error(path)
+    assert msg.startswith(f"{path}:8: train_rm.epocs: unknown key"), msg
+    assert "epochs" in msg          # the allowed keys are listed
+
+
+def test_unknown_nested_key(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE.replace("    beta: 0.1\n", "    beta: 0.1\n    betta: 0.2\n"))
+    assert load_error(path).startswith(f"{path}:11: update.dpo.betta: unknown key")
+
+
+def test_unknown_top_level_key(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE + "trian_rm: {lr: 0.1}\n")
+    assert load_error(path).startswith(f"{path}:11: trian_rm: unknown key")
+
+
+def test_wrong_type(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE.replace("  epochs: 2\n", "  epochs: two\n"))
+    msg = load_error(path)
+    assert msg.startswith(f"{path}:7: train_rm.epochs: expected an integer"), msg
+    assert "'two'" in msg
+
+
+def test_float_for_int_is_a_wrong_type(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE.replace("  epochs: 2\n", "  epochs: 2.5\n"))
+    assert load_error(path).startswith(f"{path}:7: train_rm.epochs: expected an integer")
+
+
+def test_bad_literal(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE + "judge:\n  kind: gpt\n")
+    msg = load_error(path)
+    assert msg.startswith(f"{path}:12: judge.kind: expected one of ['lexicon']"), msg
+
+
+def test_missing_iteration_item_key(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE.replace('  "2": {prev: 1}\n', '  "2": {}\n'))
+    msg = load_error(path)
+    assert msg.startswith(f"{path}:4: iterations.2.prev: missing required key"), msg
+
+
+def test_bad_prev(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE.replace('  "2": {prev: 1}\n', '  "2": {prev: 0}\n'))
+    msg = load_error(path)
+    assert msg.startswith(f"{path}:4: iterations.2.prev: prev must be 1, got 0"), msg
+
+
+def test_missing_iterations(tmp_path: Path) -> None:
+    path = write(tmp_path, "seed: 0\ntrain_rm:\n  lr: 1.0e-3\n")
+    assert load_error(path).startswith(f"{path}:1: iterations: missing required key")
+
+
+def test_out_of_range(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE.replace("  lr: 1.0e-3\n", "  lr: -1.0\n"))
+    assert load_error(path).startswith(f"{path}:6: train_rm.lr: must be > 0")
+
+
+def test_non_utf8_bytes(tmp_path: Path) -> None:
+    data = BASE.replace("  epochs: 2\n", "  epochs: 2   # caf\xe9\n").encode("latin-1")
+    path = write(tmp_path, data)
+    msg = load_error(path)
+    assert msg.startswith(f"{path}:7: "), msg
+    assert "UTF-8" in msg
+
+
+def test_invalid_yaml(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE.replace("  epochs: 2\n", "  epochs: 2: 3\n"))
+    msg = load_error(path)
+    assert msg.startswith(f"{path}:7: invalid YAML"), msg
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    assert load_error(path).startswith(f"{path}: params file not found")
+
+
+def test_exponent_without_dot_parses_as_float(tmp_path: Path) -> None:
+    # YAML 1.1 (PyYAML) reads 1e-5 as a string; the loader must still give a float
+    path = write(tmp_path, BASE.replace("  lr: 1.0e-3\n", "  lr: 1e-5\n")
+                 .replace("    beta: 0.1\n", "    beta: 2E-1\n    lr: 5e-4\n"))
+    p = load_params(path)
+    assert p.train_rm.lr == 1e-5 and isinstance(p.train_rm.lr, float)
+    assert p.update.dpo.beta == 0.2 and p.update.dpo.lr == 5e-4
+
+
+def test_int_for_float_is_accepted(tmp_path: Path) -> None:
+    p = load_params(write(tmp_path, BASE.replace("    beta: 0.1\n", "    beta: 1\n")))
+    assert p.update.dpo.beta == 1.0 and isinstance(p.update.dpo.beta, float)
+
+
+def test_non_number_string_for_float_is_rejected(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE.replace("  lr: 1.0e-3\n", "  lr: fast\n"))
+    assert load_error(path).startswith(f"{path}:6: train_rm.lr: expected a finite number")
+
+
+def test_params_are_frozen() -> None:
+    p = parse_params(BASE)
+    with pytest.raises(AttributeError):
+        p.seed = 1  # type: ignore[misc]
+
+
+def test_duplicate_key_is_an_error_naming_its_line(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text('iterations:\n  "1": {prev: 0}\nseed: 1\nseed: 2\n')
+    assert load_error(path).startswith(f"{path}:4: seed: duplicate key")
+
+
+def test_non_finite_float_is_rejected(tmp_path):
+    path = tmp_path / "nan.yaml"
+    path.write_text('iterations:\n  "1": {prev: 0}\ntrain_rm:\n  lr: .nan\n')
+    assert load_error(path).startswith(f"{path}:4: train_rm.lr: expected a finite number")

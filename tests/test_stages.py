@@ -1,0 +1,394 @@
+"""Smoke tests per stage: every stage edge runs on CPU in a temp workspace, writes its outputs
+where tasks/layout.py says, and training changes the weights. Failure paths exit 2 with the
+file and line named and leave what is already stored untouched."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tasks import (collect_offpolicy, evaluate, jsonl, judge, layout, lm, prepare_model, prompts,
+                   reward_model, rollout, stage, train_rm, update)
+from tasks.judges import LexiconJudge
+from tasks.params import load_params
+from tasks.records import parse_pair, parse_rollout
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "params" / "tiny.yaml"
+SETUP: list[tuple[str, Callable[[list[str] | None], None]]] = [
+    ("prompts", prompts.main), ("prepare_model", prepare_model.main),
+    ("collect_offpolicy", collect_offpolicy.main)]
+LOOP: list[tuple[str, Callable[[list[str] | None], None]]] = [
+    ("rollout", rollout.main), ("judge", judge.main), ("train_rm", train_rm.main),
+    ("update", update.main), ("evaluate", evaluate.main)]
+
+
+@dataclass
+class Workspace:
+    root: Path
+    policy0_md5: str = ""                                   # right after prepare_model
+    fresh_rm: dict[str, torch.Tensor] = field(default_factory=dict)   # train_rm's initial model
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+    def records(self, rel: str) -> list[dict[str, Any]]:
+        return [rec for _, rec in jsonl.read(self.path(rel))]
+
+    def metrics(self, rel: str) -> dict[str, float]:
+        return json.loads(self.path(rel).read_text())
+
+    def weights(self, rel: str) -> dict[str, torch.Tensor]:
+        return load_file(str(self.path(rel) / "model.safetensors"))
+
+
+def run(main: Callable[[list[str] | None], None], root: Path, it: int = 0) -> None:
+    main(["--root", str(root), "--it", str(it)])
+
+
+def new_workspace(root: Path, params_text: str | None = None) -> Path:
+    (root / "params").mkdir(parents=True)
+    shutil.copytree(REPO / "params" / "prompts", root / "params" / "prompts")
+    (root / layout.PARAMS_FILE).write_text(params_text or TINY.read_text())
+    (root / layout.IMPORT_DIR).mkdir(parents=True)
+    return root
+
+
+def copy_workspace(src: Workspace, dst: Path) -> Workspace:
+    shutil.copytree(src.root, dst)
+    return Workspace(dst, src.policy0_md5)
+
+
+def set_params(ws: Workspace, **edits: Any) -> None:
+    """Set dotted keys (given with `__` for `.`) in the workspace's params.yaml."""
+    path = ws.path(layout.PARAMS_FILE)
+    data = yaml.safe_load(path.read_text())
+    for dotted, value in edits.items():
+        *parents, last = dotted.split("__")
+        node = data
+        for key in parents:
+            node = node[key]
+        assert last in node, f"{dotted} is not a key of params.yaml"
+        node[last] = value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    load_params(path)                                      # the edit is itself a valid profile
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """{relative path: md5} of every file below path (hidden temp files included)."""
+    return {str(f.relative_to(path)): hashlib.md5(f.read_bytes()).hexdigest()
+            for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> set[str]:
+    assert a.keys() == b.keys()
+    return {k for k in a if not torch.equal(a[k], b[k])}
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workspace]:
+    """One iteration of the whole loop, every stage's main() called in DAG order."""
+    w = Workspace(new_workspace(tmp_path_factory.mktemp("loop") / "ws"))
+    init = train_rm.init_reward_model
+
+    def spy(*args: Any, **kwargs: Any) -> torch.nn.Module:
+        model = init(*args, **kwargs)
+        w.fresh_rm.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(stage.THREADS_ENV, "2")
+        mp.setattr(train_rm, "init_reward_model", spy)
+        for name, main in SETUP:
+            run(main, w.root)
+            if name == "prepare_model":
+                w.policy0_md5 = lm.weights_md5(w.path(layout.policy(0)))
+        for _, main in LOOP:
+            run(main, w.root, 1)
+    yield w
+
+
+# --- outputs exist ----------------------------------------------------------------------------
+
+EXPECTED = {
+    "prompts": [layout.PROMPTS_TRAIN, layout.PROMPTS_HELDOUT],
+    "prepare_model": [layout.policy(0) + "/config.json", layout.policy(0) + "/model.safetensors",
+                      layout.policy(0) + "/tokenizer.json",
+                      layout.policy(0) + "/" + layout.MODEL_META],
+    "collect_offpolicy": [layout.pairs_pool(0), layout.OFFPOLICY_METRICS],
+    "rollout": [layout.rollouts(1), layout.metrics(1, "rollout")],
+    "judge": [layout.pairs(1), layout.pairs_pool(1), layout.metrics(1, "judge")],
+    "train_rm": [layout.reward_model(1) + "/model.safetensors",
+                 layout.reward_model(1) + "/" + reward_model.STATS_FILE,
+                 layout.reward_model(1) + "/" + layout.MODEL_META,
+                 layout.metrics(1, "train_rm")],
+    "update": [layout.policy(1) + "/model.safetensors", layout.policy(1) + "/tokenizer.json",
+               layout.policy(1) + "/" + layout.MODEL_META, layout.metrics(1, "update")],
+    "evaluate": [layout.eval_samples(1), layout.metrics(1, "evaluate")],
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_stage_outputs_exist(ws: Workspace, name: str) -> None:
+    for rel in EXPECTED[name]:
+        assert ws.path(rel).is_file() and ws.path(rel).stat().st_size > 0, rel
+
+
+def test_no_temporary_files_left(ws: Workspace) -> None:
+    leftovers = [p for p in ws.root.rglob(".*") if ".tmp" in p.name or ".old-" in p.name]
+    assert not leftovers
+
+
+def test_prompts_are_disjoint(ws: Workspace) -> None:
+    p = load_params(ws.path(layout.PARAMS_FILE))
+    train, held = ws.records(layout.PROMPTS_TRAIN), ws.records(layout.PROMPTS_HELDOUT)
+    assert (len(train), len(held)) == (p.prompts.n_train, p.prompts.n_heldout)
+    assert not {r["subject"] for r in train} & {r["subject"] for r in held}
+    assert all(r["subject"] in r["prompt"][0]["content"] for r in train + held)
+
+
+def test_offpolicy_cold_start_pairs(ws: Workspace) -> None:
+    path = ws.path(layout.pairs_pool(0))
+    pairs = [parse_pair(rec, str(path), n, "?") for n, rec in jsonl.read(path)]
+    assert pairs and all(p.source == "cold_start" for p in pairs)
+    assert ws.metrics(layout.OFFPOLICY_METRICS)["offpolicy/n_pairs"] == len(pairs)
+
+
+# --- rollout ----------------------------------------------------------------------------------
+
+def test_rollouts_carry_one_logprob_per_response_token(ws: Workspace) -> None:
+    p = load_params(ws.path(layout.PARAMS_FILE))
+    path = ws.path(layout.rollouts(1))
+    recs = list(jsonl.read(path))
+    assert len(recs) == p.rollout.n_prompts * p.rollout.samples_per_prompt
+    tok = lm.load_tokenizer(ws.path(layout.policy(0)))
+    for n, rec in recs:
+        assert len(rec["logprobs"]) == len(rec["response_ids"]) > 0
+        assert all(math.isfinite(x) and x <= 0 for x in rec["logprobs"])
+        r = parse_rollout(rec, str(path), n)
+        assert r.iteration == 1 and r.policy == ws.policy0_md5
+        assert r.finished == (r.response_ids[-1] == tok.eos_token_id)
+        assert list(r.prompt_ids) == lm.render_prompt(tok, r.prompt, p.model.max_prompt_tokens)
+        assert r.sampling["temperature"] == p.rollout.generation.temperature
+    counts: dict[str, int] = {}
+    for _, rec in recs:
+        counts[rec["prompt_id"]] = counts.get(rec["prompt_id"], 0) + 1
+    assert set(counts.values()) == {p.rollout.samples_per_prompt}
+    assert ws.metrics(layout.metrics(1, "rollout"))["rollout/n"] == len(recs)
+
+
+def test_rollout_logprobs_are_the_sampling_policys(ws: Workspace) -> None:
+    path = ws.path(layout.rollouts(1))
+    rs = [parse_rollout(rec, str(path), n) for n, rec in jsonl.read(path)]
+    policy = lm.load_causal_lm(ws.path(layout.policy(0)))
+    pad = lm.load_tokenizer(ws.path(layout.policy(0))).pad_token_id
+    with torch.no_grad():
+        logp, mask = lm.response_logprobs(policy, [r.prompt_ids for r in rs],
+                                          [r.response_ids for r in rs], pad)
+    stored = torch.tensor([list(r.logprobs) + [0.0] * (logp.shape[1] - len(r.logprobs))
+                           for r in rs])
+    assert float(((logp - stored).abs() * mask).max()) < 1e-4
+
+
+# --- judge ------------------------------------------------------------------------------------
+
+def test_judge_metrics_and_pool(ws: Workspace) -> None:
+    m = ws.metrics(layout.metrics(1, "judge"))
+    rates = [m[f"judge/rate_{v}"] for v in ("A", "B", "tie", "invalid")]
+    assert sum(rates) == pytest.approx(1.0)
+    assert m["judge/n"] == load_params(ws.path(layout.PARAMS_FILE)).rollout.n_prompts
+    new, pool0, pool1 = (ws.records(layout.pairs(1)), ws.records(layout.pairs_pool(0)),
+                         ws.records(layout.pairs_pool(1)))
+    assert m["judge/n_pairs"] == len(new) > 0
+    assert m["judge/pool_size"] == len(pool1) == len(pool0) + len(new)
+    assert pool1 == pool0 + new                         # the pool only grows
+    assert all(r["source"] == "iter_1" for r in new)
+
+
+def test_judged_pairs_come_from_rollouts_and_prefer_the_higher_score(ws: Workspace) -> None:
+    p = load_params(ws.path(layout.PARAMS_FILE))
+    texts: dict[str, set[str]] = {}
+    for rec in ws.records(layout.rollouts(1)):
+        texts.setdefault(rec["prompt_id"], set()).add(rec["text"])
+    lexicon = LexiconJudge(p.judge.tie_margin, p.judge.min_words, p.judge.version)
+    for n, rec in enumerate(ws.records(layout.pairs(1)), start=1):
+        pair = parse_pair(rec, "pairs", n, "?")
+        assert {pair.chosen, pair.rejected} <= texts[pair.meta["prompt_id"]]
+        chosen, rejected = lexicon.score([pair.prompt] * 2, [pair.chosen, pair.rejected])
+        assert chosen is not None and rejected is not None
+        assert chosen - rejected >= p.judge.tie_margin
+
+
+# --- train_rm ---------------------------------------------------------------------------------
+
+def test_reward_model_training_changed_head_and_backbone(ws: Workspace) -> None:
+    rm = ws.weights(layout.reward_model(1))
+    policy0 = ws.weights(layout.policy(0))
+    fresh = ws.fresh_rm
+    assert "score.weight" in rm and rm.keys() <= fresh.keys()
+    # the fresh model is the initial policy's backbone plus a new head ...
+    backbone = [k for k in rm if k in policy0]
+    assert backbone and all(torch.equal(fresh[k], policy0[k]) for k in backbone)
+    # ... and training moved both
+    assert not torch.equal(rm["score.weight"], fresh["score.weight"])
+    layers = [k for k in backbone if ".layers." in k]
+    moved = [k for k in layers if not torch.equal(rm[k], policy0[k])]
+    assert layers and len(moved) == len(layers)
+    m = ws.metrics(layout.metrics(1, "train_rm"))
+    assert m["rm/steps"] > 0 and 0.0 <= m["rm/accuracy"] <= 1.0
+    assert m["rm/n_onpolicy"] == len(ws.records(layout.pairs(1)))
+    stats = reward_model.load_stats(ws.path(layout.reward_model(1)))
+    assert stats["std"] > 0
+
+
+def test_train_rm_is_reproducible_whatever_the_global_rng(ws: Workspace, tmp_path: Path) -> None:
+    again = copy_workspace(ws, tmp_path / "ws")
+    shutil.rmtree(again.path(layout.reward_model(1)))
+    torch.manual_seed(12345)                            # unrelated earlier use of the global RNG
+    torch.rand(7)
+    run(train_rm.main, again.root, 1)
+    assert not changed(again.weights(layout.reward_model(1)), ws.weights(layout.reward_model(1)))
+    assert again.metrics(layout.metrics(1, "train_rm")) == ws.metrics(layout.metrics(1, "train_rm"))
+
+
+# --- update -----------------------------------------------------------------------------------
+
+def test_dpo_update_changed_the_policy(ws: Workspace) -> None:
+    before, after = ws.weights(layout.policy(0)), ws.weights(layout.policy(1))
+    diff = changed(before, after)
+    layers = {k for k in before if ".layers." in k}
+    assert layers and layers <= diff
+    m = ws.metrics(layout.metrics(1, "update"))
+    assert m["update/steps"] > 0 and m["update/n_pairs"] == len(ws.records(layout.pairs(1)))
+    meta = json.loads((ws.path(layout.policy(1)) / layout.MODEL_META).read_text())
+    assert (meta["algo"], meta["parent"], meta["reference"]) == \
+        ("dpo", layout.policy(0), layout.policy(0))
+
+
+def test_initial_policy_untouched_by_the_loop(ws: Workspace) -> None:
+    assert lm.weights_md5(ws.path(layout.policy(0))) == ws.policy0_md5
+
+
+def test_ppo_update_changed_the_policy(ws: Workspace, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(stage.THREADS_ENV, "2")
+    ppo = copy_workspace(ws, tmp_path / "ws_ppo")
+    set_params(ppo, update__algo="ppo")
+    run(update.main, ppo.root, 1)
+    before, after = ppo.weights(layout.policy(0)), ppo.weights(layout.policy(1))
+    layers = {k for k in before if ".layers." in k}
+    assert layers and layers <= changed(before, after)
+    assert changed(after, ws.weights(layout.policy(1)))       # not the DPO policy left over
+    meta = json.loads((ppo.path(layout.policy(1)) / layout.MODEL_META).read_text())
+    assert meta["algo"] == "ppo"
+    m = ppo.metrics(layout.metrics(1, "update"))
+    assert "update/clipfrac_mean" in m and 0.0 <= m["update/clipfrac_mean"] <= 1.0
+    assert m["update/steps"] > 0 and m["update/n_rollouts"] == len(ws.records(layout.rollouts(1)))
+    assert all(math.isfinite(v) for v in m.values())
+    assert lm.weights_md5(ppo.path(layout.policy(0))) == ws.policy0_md5
+
+
+# --- evaluate ---------------------------------------------------------------------------------
+
+def test_evaluate_metrics(ws: Workspace) -> None:
+    m = ws.metrics(layout.metrics(1, "evaluate"))
+    for key in ("eval/win_rate", "eval/kl", "eval/length_ratio", "eval/n", "eval/invalid_rate",
+                "eval/rm_win_rate"):
+        assert key in m and math.isfinite(m[key]), key
+    assert 0.0 <= m["eval/win_rate"] <= 1.0
+    assert m["eval/win_rate_ci_low"] <= m["eval/win_rate"] <= m["eval/win_rate_ci_high"]
+    assert m["eval/length_ratio"] > 0
+    n = load_params(ws.path(layout.PARAMS_FILE)).evaluate.n_prompts
+    samples = ws.records(layout.eval_samples(1))
+    assert m["eval/n"] == len(samples) == n
+    assert {s["judge_verdict"] for s in samples} <= {"A", "B", "tie", "invalid"}
+
+
+# --- failure paths ----------------------------------------------------------------------------
+
+def run_failing(main: Callable[[list[str] | None], None], root: Path,
+                capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        stage.run_main(lambda: run(main, root))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    return err
+
+
+def test_import_of_malformed_pairs_exits_2_and_keeps_the_pool(
+        ws: Workspace, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = copy_workspace(ws, tmp_path / "ws_import")
+    set_params(bad, offpolicy__source="import")
+    path = bad.root.resolve() / "data" / "import" / "pairs.jsonl"
+    path.write_text('{"prompt": "Review Jaws.", "chosen": "Great.", "rejected": "Bad."}\n'
+                    '{"prompt": "Review Heat.", "chosen": "Great."\n')
+    before = tree_digest(bad.path("data/iter_0"))
+    metrics_before = bad.path(layout.OFFPOLICY_METRICS).read_bytes()
+    err = run_failing(collect_offpolicy.main, bad.root, capsys)
+    assert f"{path}:2: invalid JSON" in err
+    assert tree_digest(bad.path("data/iter_0")) == before      # byte-identical, no temp files
+    assert bad.path(layout.OFFPOLICY_METRICS).read_bytes() == metrics_before
+
+
+def test_import_of_a_missing_field_names_line_and_field(
+        ws: Workspace, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = copy_workspace(ws, tmp_path / "ws_import")
+    set_params(bad, offpolicy__source="import")
+    path = bad.root.resolve() / "data" / "import" / "pairs.jsonl"
+    path.write_text('{"prompt": "Review Jaws.", "chosen": "Great.", "rejected": "Bad."}\n\n'
+                    '{"prompt": "Review Heat.", "rejected": "Bad."}\n')
+    before = bad.path(layout.pairs_pool(0)).read_bytes()
+    err = run_failing(collect_offpolicy.main, bad.root, capsys)
+    assert f"{path}:3: missing field 'chosen'" in err
+    assert bad.path(layout.pairs_pool(0)).read_bytes() == before
+
+
+def test_import_of_good_pairs_replaces_the_pool(ws: Workspace, tmp_path: Path) -> None:
+    good = copy_workspace(ws, tmp_path / "ws_import")
+    set_params(good, offpolicy__source="import")
+    recs = [{"prompt": "Review Jaws.", "chosen": "Great fun.", "rejected": "Bad."},
+            {"prompt": [{"role": "user", "content": "Review Heat."}],
+             "chosen": [{"role": "assistant", "content": "Superb."}],
+             "rejected": [{"role": "assistant", "content": "Dull."}]}]
+    jsonl.write(good.path("data/import/pairs.jsonl"), recs)
+    run(collect_offpolicy.main, good.root)
+    pool = good.records(layout.pairs_pool(0))
+    assert [(r["chosen"], r["source"]) for r in pool] == [("Great fun.", "import"),
+                                                          ("Superb.", "import")]
+    assert good.metrics(layout.OFFPOLICY_METRICS) == {"offpolicy/n_pairs": 2.0}
+
+
+def test_prepare_model_missing_hf_dir_keeps_existing_policy(
+        ws: Workspace, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = copy_workspace(ws, tmp_path / "ws_hf")
+    missing = tmp_path / "no_such_model"
+    set_params(bad, model__source="hf_dir", model__path=str(missing))
+    before = tree_digest(bad.path("models/iter_0"))
+    err = run_failing(prepare_model.main, bad.root, capsys)
+    assert str(missing) in err and "does not exist" in err
+    assert tree_digest(bad.path("models/iter_0")) == before   # untouched, no temp dir left
+    assert lm.weights_md5(bad.path(layout.policy(0))) == ws.policy0_md5
+
+
+def test_prepare_model_from_hf_dir_copies_the_model(ws: Workspace, tmp_path: Path) -> None:
+    src = ws.path(layout.policy(0))
+    root = new_workspace(tmp_path / "ws_hf")
+    dst = Workspace(root)
+    set_params(dst, model__source="hf_dir", model__path=str(src))
+    run(prepare_model.main, root)
+    assert lm.weights_md5(dst.path(layout.policy(0))) == ws.policy0_md5
+    meta = json.loads((dst.path(layout.policy(0)) / layout.MODEL_META).read_text())
+    assert meta["source"] == "hf_dir" and meta["copied_from"] == str(src)
+    lm.load_causal_lm(dst.path(layout.policy(0)))
