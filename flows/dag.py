@@ -18,8 +18,8 @@ from dvc.exceptions import ReproductionError
 from dvc.repo import Repo
 
 # canonical order among stages that DVC leaves unordered (topology always wins)
-STAGE_ORDER = ("prompts", "prepare_model", "collect_offpolicy", "rollout", "judge", "train_rm",
-               "update", "evaluate")
+STAGE_ORDER = ("prompts", "prepare_model", "collect_offpolicy", "reference_samples", "rollout",
+               "judge", "train_rm", "update", "evaluate")
 State = Literal["up-to-date", "changed", "missing"]
 Outcome = Literal["ran", "restored", "cached"]
 

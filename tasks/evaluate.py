@@ -12,7 +12,8 @@ import torch
 
 from tasks import jsonl, layout, lm, stage
 from tasks.judges import PointwiseJudge, Verdict, judge_pair, make_judge
-from tasks.records import Rollout, prompt_to_record
+from tasks.jsonl import DataError
+from tasks.records import Rollout, parse_rollout, prompt_to_record
 from tasks.reward_model import load_reward_model, rewards
 from tasks.rollout import load_prompts, sample_rollouts
 from tasks.winrate import win_rate
@@ -53,18 +54,22 @@ def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "")
     p, it, root = args.params, args.it, args.root
     pol_dir, ref_dir = root / layout.policy(it), root / layout.policy(0)
-    policy, ref, tok = lm.load_causal_lm(pol_dir), lm.load_causal_lm(ref_dir), lm.load_tokenizer(pol_dir)
+    policy, ref = lm.load_causal_lm(pol_dir), lm.load_causal_lm(ref_dir)
+    tok = lm.load_tokenizer(pol_dir)
     prompts = load_prompts(str(root / layout.PROMPTS_HELDOUT), p.evaluate.n_prompts)
     gen, mpt = p.evaluate.generation, p.model.max_prompt_tokens
     pol = sample_rollouts(policy, tok, prompts, 1, gen, mpt, lm.weights_md5(pol_dir), it,
                           stage.generator(p.seed, 4, it))
-    refs = sample_rollouts(ref, tok, prompts, 1, gen, mpt, lm.weights_md5(ref_dir), 0,
-                           stage.generator(p.seed, 5))     # same reference samples every iteration
+    ref_path = str(root / layout.REFERENCE_SAMPLES)
+    refs = [parse_rollout(rec, ref_path, n) for n, rec in jsonl.read(ref_path)]
+    if [r.prompt_id for r in refs] != [pid for pid, _ in prompts]:
+        raise DataError(f"{ref_path}: reference samples are for other prompts than "
+                        f"{layout.PROMPTS_HELDOUT}; rerun reference_samples")
     metrics, verdicts = compare(make_judge(p.judge), pol, refs, p.evaluate.bootstrap, p.seed)
     rm = load_reward_model(root / layout.reward_model(it))
     with torch.no_grad():
-        r_pol = rewards(rm, [s.prompt_ids for s in pol], [s.response_ids for s in pol], tok.pad_token_id)
-        r_ref = rewards(rm, [s.prompt_ids for s in refs], [s.response_ids for s in refs], tok.pad_token_id)
+        r_pol, r_ref = (rewards(rm, [s.prompt_ids for s in x], [s.response_ids for s in x],
+                                tok.pad_token_id) for x in (pol, refs))
     rm_wr = win_rate(rm_verdicts(r_pol, r_ref), p.evaluate.bootstrap, p.seed)
     len_pol = sum(len(s.response_ids) for s in pol) / len(pol)
     len_ref = sum(len(s.response_ids) for s in refs) / len(refs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 PARAMS_FILE = "params.yaml"
 PROMPTS_TRAIN = "data/prompts/train.jsonl"
 PROMPTS_HELDOUT = "data/prompts/heldout.jsonl"
+REFERENCE_SAMPLES = "data/reference/heldout_samples.jsonl"   # the reference on held-out prompts
 IMPORT_DIR = "data/import"
 OFFPOLICY_METRICS = "metrics/offpolicy.json"
 MODEL_META = "alignloop_model.json"      # written inside every saved model directory

@@ -100,7 +100,8 @@ def instances() -> list[tuple[str, str | None]]:
 # --- commands and sources ---------------------------------------------------------------------
 
 def test_expected_stages_declared() -> None:
-    assert list(STAGES) == ["prompts", "prepare_model", "collect_offpolicy", "rollout", "judge",
+    assert list(STAGES) == ["prompts", "prepare_model", "collect_offpolicy", "reference_samples",
+                            "rollout", "judge",
                             "train_rm", "update", "evaluate"]
     assert [n for n in STAGES if is_loop(n)] == ["rollout", "judge", "train_rm", "update",
                                                  "evaluate"]
@@ -155,6 +156,7 @@ def expected_outputs(name: str, it: int) -> tuple[list[str], list[str]]:
         "prompts": ([layout.PROMPTS_TRAIN, layout.PROMPTS_HELDOUT], []),
         "prepare_model": ([layout.policy(0)], []),
         "collect_offpolicy": ([layout.pairs_pool(0)], [layout.OFFPOLICY_METRICS]),
+        "reference_samples": ([layout.REFERENCE_SAMPLES], []),
         "rollout": ([layout.rollouts(it)], [layout.metrics(it, "rollout")]),
         "judge": ([layout.pairs(it), layout.pairs_pool(it)], [layout.metrics(it, "judge")]),
         "train_rm": ([layout.reward_model(it)], [layout.metrics(it, "train_rm")]),

@@ -20,7 +20,7 @@ def _lock(ws: Path) -> dict:
 
 def test_every_stage_output_exists_with_its_md5_in_dvc_lock(tiny_run):
     ws, lock = tiny_run["ws"], _lock(tiny_run["ws"])
-    expected = {"prompts", "prepare_model", "collect_offpolicy"} | {
+    expected = {"prompts", "prepare_model", "collect_offpolicy", "reference_samples"} | {
         f"{s}@{i}" for s in ("rollout", "judge", "train_rm", "update", "evaluate")
         for i in ITERATIONS}
     assert set(lock) == expected
@@ -44,7 +44,7 @@ def test_progress_output_names_each_stage(tiny_run):
 def test_second_run_is_fully_cached_and_changes_nothing(tiny_run):
     out = tiny_run["second"].stdout
     assert "[ran]" not in out and "[restored]" not in out
-    assert out.count("[cached]") == 13
+    assert out.count("[cached]") == 14
     assert tiny_run["head2"] == tiny_run["head"]
     assert tiny_run["after"] == tiny_run["before"]
 
@@ -52,7 +52,7 @@ def test_second_run_is_fully_cached_and_changes_nothing(tiny_run):
 def test_status_reports_every_stage_up_to_date(tiny_run):
     proc = run_cli("status", "--workspace", str(tiny_run["ws"]), "--json")
     states = json.loads(proc.stdout)
-    assert len(states) == 13
+    assert len(states) == 14
     assert {s["state"] for s in states} == {"up-to-date"}
 
 

@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tasks import (collect_offpolicy, evaluate, jsonl, judge, layout, lm, prepare_model, prompts,
-                   reward_model, rollout, stage, train_rm, update)
+                   reference_samples, reward_model, rollout, stage, train_rm, update)
 from tasks.judges import LexiconJudge
 from tasks.params import load_params
 from tasks.records import parse_pair, parse_rollout
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "params" / "tiny.yaml"
 SETUP: list[tuple[str, Callable[[list[str] | None], None]]] = [
     ("prompts", prompts.main), ("prepare_model", prepare_model.main),
-    ("collect_offpolicy", collect_offpolicy.main)]
+    ("collect_offpolicy", collect_offpolicy.main), ("reference_samples", reference_samples.main)]
 LOOP: list[tuple[str, Callable[[list[str] | None], None]]] = [
     ("rollout", rollout.main), ("judge", judge.main), ("train_rm", train_rm.main),
     ("update", update.main), ("evaluate", evaluate.main)]
@@ -126,6 +126,7 @@ EXPECTED = {
                       layout.policy(0) + "/tokenizer.json",
                       layout.policy(0) + "/" + layout.MODEL_META],
     "collect_offpolicy": [layout.pairs_pool(0), layout.OFFPOLICY_METRICS],
+    "reference_samples": [layout.REFERENCE_SAMPLES],
     "rollout": [layout.rollouts(1), layout.metrics(1, "rollout")],
     "judge": [layout.pairs(1), layout.pairs_pool(1), layout.metrics(1, "judge")],
     "train_rm": [layout.reward_model(1) + "/model.safetensors",

@@ -1,0 +1,23 @@
+"""Stage `reference_samples`: the reference policy's responses to the held-out prompts, sampled
+once and shared by every iteration's evaluation (same prompts, same draws: comparable rounds)."""
+from __future__ import annotations
+
+from tasks import jsonl, layout, lm, stage
+from tasks.rollout import load_prompts, sample_rollouts
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = stage.parse(argv, __doc__ or "")
+    p, root = args.params, args.root
+    ref_dir = root / layout.policy(0)
+    ref, tok = lm.load_causal_lm(ref_dir), lm.load_tokenizer(ref_dir)
+    prompts = load_prompts(str(root / layout.PROMPTS_HELDOUT), p.evaluate.n_prompts)
+    samples = sample_rollouts(ref, tok, prompts, 1, p.evaluate.generation,
+                              p.model.max_prompt_tokens, lm.weights_md5(ref_dir), 0,
+                              stage.generator(p.seed, 5))
+    jsonl.write(root / layout.REFERENCE_SAMPLES, (s.to_record() for s in samples))
+    print(f"reference_samples: {len(samples)} reference responses to held-out prompts")
+
+
+if __name__ == "__main__":
+    stage.run_main(lambda: main())
