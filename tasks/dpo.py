@@ -1,4 +1,10 @@
-"""Direct Preference Optimisation on judged pairs: the training loop around tasks/losses.py."""
+"""Direct Preference Optimisation on preference pairs: the training loop around tasks/losses.py.
+
+The loss is `update.dpo.loss`: sigmoid (DPO), ipo (on per-token mean log-ratios) or cdpo
+(label-smoothed DPO). Pairs are on-policy (best vs worst of the current policy's K samples, by
+the judge or by the reward model, `rm_best_vs_worst`), optionally mixed with a weighted share of
+off-policy pairs from the previous pool (`offpolicy_indices`).
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -7,38 +13,52 @@ import torch
 from torch import Tensor
 
 from tasks import lm
-from tasks.losses import DPO_LOSSES, dpo_implicit_rewards
+from tasks.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES, dpo_implicit_rewards
 from tasks.params import DPOParams
-from tasks.reward_model import EncodedPair
+from tasks.records import Rollout
+from tasks.reward_model import EncodedPair, RewardModel, reward_mean_std
 
 
-def _pair_logprobs(model: torch.nn.Module, batch: Sequence[EncodedPair],
-                   pad_id: int) -> tuple[Tensor, Tensor]:
-    """Summed log-probs of chosen and rejected completions, each (B,), one forward pass."""
+def _pair_logprobs(model: torch.nn.Module, batch: Sequence[EncodedPair], pad_id: int,
+                   per_token_mean: bool = False) -> tuple[Tensor, Tensor]:
+    """Completion log-probs of chosen and rejected, each (B,), one forward pass: summed over
+    the completion's tokens, or their mean when `per_token_mean` (IPO)."""
     prompts = [e.prompt_ids for e in batch] * 2
     responses = [e.chosen_ids for e in batch] + [e.rejected_ids for e in batch]
-    logp = lm.sequence_logprob(model, prompts, responses, pad_id)
+    logp, mask = lm.response_logprobs(model, prompts, responses, pad_id)     # (2B, R)
+    logp = (logp * mask).sum(-1)                                             # log pi(y|x)
+    if per_token_mean:
+        logp = logp / mask.sum(-1).clamp(min=1.0)                            # / |y|
     return logp[: len(batch)], logp[len(batch):]
 
 
 @torch.no_grad()
 def reference_logprobs(ref: torch.nn.Module, pairs: Sequence[EncodedPair], pad_id: int,
-                       batch_size: int) -> tuple[Tensor, Tensor]:
+                       batch_size: int, per_token_mean: bool = False) -> tuple[Tensor, Tensor]:
+    """The reference's chosen and rejected log-probs over all pairs, each (N,)."""
     chosen, rejected = [], []
     for s in range(0, len(pairs), batch_size):
-        c, r = _pair_logprobs(ref, pairs[s: s + batch_size], pad_id)
+        c, r = _pair_logprobs(ref, pairs[s: s + batch_size], pad_id, per_token_mean)
         chosen.append(c)
         rejected.append(r)
     return torch.cat(chosen), torch.cat(rejected)
 
 
 def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[EncodedPair],
-              p: DPOParams, pad_id: int, rng: torch.Generator) -> dict[str, float]:
-    """Optimise the policy in place on the pairs; returns `update/` metrics."""
+              p: DPOParams, pad_id: int, rng: torch.Generator,
+              weights: Tensor | None = None) -> dict[str, float]:
+    """Optimise the policy in place on the pairs; returns `update/` metrics.
+
+    weights: (N,) per-pair loss weights (default 1); the batch loss is mean_i(w_i * l_i).
+    Implicit rewards and their accuracy are measured on the quantities the loss sees (per-token
+    means for IPO), before each step.
+    """
     if not pairs:
         return {"update/steps": 0.0, "update/n_pairs": 0.0}
+    w = torch.ones(len(pairs)) if weights is None else weights                # (N,)
+    mean_lp = p.loss in LENGTH_NORMALISED_LOSSES
     ref.eval()
-    ref_c, ref_r = reference_logprobs(ref, pairs, pad_id, p.batch_size)     # (N,), (N,)
+    ref_c, ref_r = reference_logprobs(ref, pairs, pad_id, p.batch_size, mean_lp)  # (N,), (N,)
     loss_fn = DPO_LOSSES[p.loss]
     opt = torch.optim.AdamW(policy.parameters(), lr=p.lr, weight_decay=0.0)
     losses, accs, margins = [], [], []
@@ -47,13 +67,14 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
         order = torch.randperm(len(pairs), generator=rng)
         for s in range(0, len(order), p.batch_size):
             idx = order[s: s + p.batch_size]
-            pi_c, pi_r = _pair_logprobs(policy, [pairs[i] for i in idx.tolist()], pad_id)
-            loss = loss_fn(pi_c, pi_r, ref_c[idx], ref_r[idx], p.beta).mean()
+            pi_c, pi_r = _pair_logprobs(policy, [pairs[i] for i in idx.tolist()], pad_id, mean_lp)
+            per_pair = loss_fn(pi_c, pi_r, ref_c[idx], ref_r[idx], p.beta, p.label_smoothing)
+            loss = (w[idx] * per_pair).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
             with torch.no_grad():
-                r_c = dpo_implicit_rewards(pi_c, ref_c[idx], p.beta)
+                r_c = dpo_implicit_rewards(pi_c, ref_c[idx], p.beta)          # beta log pi/ref
                 r_r = dpo_implicit_rewards(pi_r, ref_r[idx], p.beta)
                 accs.append(float((r_c > r_r).float().mean()))
                 margins.append(float((r_c - r_r).mean()))
@@ -61,4 +82,45 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
     policy.eval()
     return {"update/steps": float(len(losses)), "update/n_pairs": float(len(pairs)),
             "update/loss_first": losses[0], "update/loss_last": losses[-1],
-            "update/reward_accuracy_last": accs[-1], "update/reward_margin_last": margins[-1]}
+            "update/reward_accuracy_last": accs[-1], "update/reward_margin_last": margins[-1],
+            "update/reward_accuracy_mean": sum(accs) / len(accs),
+            "update/reward_margin_mean": sum(margins) / len(margins)}
+
+
+def rm_best_vs_worst(rm: RewardModel, rollouts: Sequence[Rollout], pad_id: int,
+                     max_length: int) -> tuple[list[EncodedPair], dict[str, float]]:
+    """One pair per prompt: its highest- vs lowest-reward rollout by the (ensemble mean) RM.
+
+    Uses the sampled token ids themselves (no re-tokenisation), responses cut to fit
+    max_length. Prompts whose best and worst tie are skipped.
+    """
+    rollouts = [r for r in rollouts if r.response_ids]
+    if not rollouts:
+        return [], {"update/rm_pairs": 0.0}
+    mean, std = reward_mean_std(rm, [r.prompt_ids for r in rollouts],
+                                [r.response_ids for r in rollouts], pad_id)        # (B,), (B,)
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(rollouts):
+        groups.setdefault(r.prompt_id, []).append(i)
+    pairs, gaps, spreads = [], [], []
+    for idx in groups.values():
+        best = max(idx, key=lambda i: float(mean[i]))                     # argmax_k r(x, y_k)
+        worst = min(idx, key=lambda i: float(mean[i]))                    # argmin_k r(x, y_k)
+        if float(mean[best]) == float(mean[worst]):                       # one sample, or a tie
+            continue
+        room = max(max_length - len(rollouts[best].prompt_ids), 1)
+        pairs.append(EncodedPair(rollouts[best].prompt_ids, rollouts[best].response_ids[:room],
+                                 rollouts[worst].response_ids[:room]))
+        gaps.append(float(mean[best] - mean[worst]))
+        spreads.append(float(std[best] + std[worst]) / 2)
+    return pairs, {"update/rm_pairs": float(len(pairs)),
+                   "update/rm_pair_gap_mean": sum(gaps) / max(len(gaps), 1),
+                   "update/rm_pair_std_mean": sum(spreads) / max(len(spreads), 1)}
+
+
+def offpolicy_indices(n_onpolicy: int, pool_size: int, mix: float,
+                      rng: torch.Generator) -> list[int]:
+    """Which previous-pool pairs to mix in so that they make up `mix` of the training pairs:
+    n_off = round(mix / (1 - mix) * n_on), at most the pool, drawn without replacement."""
+    n_off = min(pool_size, round(mix / (1.0 - mix) * n_onpolicy)) if mix > 0 else 0
+    return sorted(torch.randperm(pool_size, generator=rng)[:n_off].tolist())

@@ -13,8 +13,9 @@ import torch
 from tasks import jsonl, layout, lm, stage
 from tasks.judges import PointwiseJudge, Verdict, judge_pair, make_judge
 from tasks.jsonl import DataError
+from tasks.params import MonitorParams
 from tasks.records import Rollout, parse_rollout, prompt_to_record
-from tasks.reward_model import load_reward_model, rewards
+from tasks.reward_model import load_reward_model, reward_mean_std, rewards
 from tasks.rollout import load_prompts, sample_rollouts
 from tasks.winrate import win_rate
 
@@ -34,6 +35,19 @@ def rm_verdicts(r_policy: torch.Tensor, r_ref: torch.Tensor) -> list[Verdict]:
                                                                         r_ref.tolist())]
 
 
+def rm_disagreement(rm: torch.nn.Module, pol: Sequence[Rollout], refs: Sequence[Rollout],
+                    pad_id: int) -> dict[str, float]:
+    """Mean over samples of the RM ensemble's std of r(x, y) (0 for a single RM): on the
+    policy's samples, and on the reference's for comparison (policy >> reference: the policy
+    has moved where the reward model is unsure)."""
+    _, sd_pol = reward_mean_std(rm, [s.prompt_ids for s in pol], [s.response_ids for s in pol],
+                                pad_id)
+    _, sd_ref = reward_mean_std(rm, [s.prompt_ids for s in refs],
+                                [s.response_ids for s in refs], pad_id)
+    return {"eval/rm_disagreement": float(sd_pol.mean()),
+            "eval/rm_disagreement_ref": float(sd_ref.mean())}
+
+
 def compare(judge: PointwiseJudge, pol: Sequence[Rollout], ref: Sequence[Rollout],
             n_boot: int, seed: int) -> tuple[dict[str, float], list[Verdict]]:
     verdicts = [judge_pair(judge, a.prompt, a.text, b.text) for a, b in zip(pol, ref)]
@@ -48,6 +62,22 @@ def compare(judge: PointwiseJudge, pol: Sequence[Rollout], ref: Sequence[Rollout
         "eval/ref_judge_score": sum(s_ref) / max(len(s_ref), 1),
     }
     return metrics, verdicts
+
+
+def hacking_flags(metrics: dict[str, float], p: MonitorParams) -> dict[str, float]:
+    """Reward-hacking monitors, measured not assumed: length drift against the reference, and
+    RM-ensemble disagreement on policy samples against that on reference samples (the policy
+    leaving the region where the reward model can be trusted). 1.0 = flagged."""
+    drift = abs(metrics["eval/length_ratio"] - 1.0)
+    ratio = metrics.get("eval/rm_disagreement", 0.0) / max(
+        metrics.get("eval/rm_disagreement_ref", 0.0), 1e-9)
+    flags = {"eval/length_drift": drift, "eval/rm_disagreement_ratio": ratio,
+             "eval/flag_length_drift": float(drift > p.max_length_drift),
+             "eval/flag_rm_disagreement": float(metrics.get("eval/rm_disagreement", 0.0) > 0
+                                                and ratio > p.max_rm_disagreement_ratio)}
+    flags["eval/hacking_flag"] = max(flags["eval/flag_length_drift"],
+                                     flags["eval/flag_rm_disagreement"])
+    return flags
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         r_pol, r_ref = (rewards(rm, [s.prompt_ids for s in x], [s.response_ids for s in x],
                                 tok.pad_token_id) for x in (pol, refs))
     rm_wr = win_rate(rm_verdicts(r_pol, r_ref), p.evaluate.bootstrap, p.seed)
+    metrics.update(rm_disagreement(rm, pol, refs, tok.pad_token_id))
     len_pol = sum(len(s.response_ids) for s in pol) / len(pol)
     len_ref = sum(len(s.response_ids) for s in refs) / len(refs)
     metrics.update({
@@ -80,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         "eval/length": len_pol, "eval/ref_length": len_ref,
         "eval/length_ratio": len_pol / max(len_ref, 1e-9),
     })
+    metrics.update(hacking_flags(metrics, p.evaluate.monitors))
     jsonl.write(root / layout.eval_samples(it), (
         {"prompt_id": a.prompt_id, "prompt": prompt_to_record(a.prompt), "policy": a.text,
          "reference": b.text, "judge_verdict": v, "rm_policy": float(x), "rm_reference": float(y)}

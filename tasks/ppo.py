@@ -1,21 +1,29 @@
-"""A first PPO update: clipped surrogate on this iteration's rollouts, RM score as reward,
-a per-token KL penalty to the reference, and a leave-one-out baseline over each prompt's K
-samples (a critic with GAE replaces the baseline later).
+"""PPO with a critic: GAE over response tokens, clipped surrogate, clipped value loss, KL to the
+reference in the reward or the loss, early stop on approximate KL, and off-policy reuse of
+earlier rollouts reweighted by truncated importance ratios (tasks/offpolicy.py).
 
-The ratio pi_theta / pi_old uses the log-probs the sampler stored: the rollouts come from the
-policy being updated, so the ratio starts at 1 and a few clipped epochs keep it near 1.
+pi_old is the sampler's stored per-token log-probs for this iteration's rollouts. For a reused
+rollout (sampled by an older behaviour policy mu) pi_old is the policy at the start of this
+update, and the sample carries the truncated weight clip(pi_old / mu, lo, hi) on its advantage
+(the decoupled form of PPO, Hilton et al. 2021).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from tasks import lm
-from tasks.losses import kl_k1, ppo_clip_loss, whiten
+from tasks import lm, offpolicy
+from tasks.errors import InputError
+from tasks.losses import kl_k1, kl_k3, ppo_clip_loss, ppo_value_loss, whiten
 from tasks.params import PPOParams
 from tasks.records import Rollout
+from tasks.value_head import ValueHead, logprobs_and_values
+
+REPLAY_FILE = "replay_rollouts.jsonl"   # in models/iter_k/policy when reuse is on: for update@k+1
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k3": kl_k3}
 
 
 def _pad(rows: Sequence[Sequence[float]]) -> Tensor:
@@ -23,66 +31,207 @@ def _pad(rows: Sequence[Sequence[float]]) -> Tensor:
     return torch.tensor([list(r) + [0.0] * (width - len(r)) for r in rows])
 
 
-def leave_one_out_baseline(scores: Tensor, groups: Sequence[str]) -> Tensor:
-    """Mean score of the *other* samples of the same prompt, shape (B,)."""
-    base = torch.zeros_like(scores)
-    for g in set(groups):
-        idx = torch.tensor([i for i, x in enumerate(groups) if x == g])
-        s = scores[idx]
-        base[idx] = (s.sum() - s) / max(len(idx) - 1, 1) if len(idx) > 1 else 0.0
-    return base
+def shape_scores(scores: Tensor, finished: Sequence[bool], p: PPOParams) -> tuple[Tensor, Tensor]:
+    """Normalised RM scores (B,) -> (clipped, no-EOS-handled scores (B,), keep mask (B,) bool).
+
+    reward_clip c > 0 clips to [-c, c]; then responses without EOS are kept as they are
+    (`keep`), lose `no_eos_penalty` (`penalty`) or are dropped from the batch (`drop`).
+    """
+    out = scores.clamp(-p.reward_clip, p.reward_clip) if p.reward_clip > 0 else scores.clone()
+    no_eos = ~torch.tensor(list(finished), dtype=torch.bool)
+    if p.no_eos == "penalty":
+        out[no_eos] -= p.no_eos_penalty
+    keep = ~no_eos if p.no_eos == "drop" else torch.ones_like(no_eos)
+    return out, keep
 
 
-def token_advantages(scores: Tensor, kl: Tensor, mask: Tensor, baseline: Tensor,
-                     kl_coef: float) -> Tensor:
-    """Return-to-go of r_t = -kl_coef * kl_t (+ score at the last token), minus the baseline.
+def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+    """r_t = -kl_coef * kl_t, plus the score on the last response token.
 
-    scores, baseline: (B,); kl, mask: (B, T). Returns (B, T), zero outside the mask.
+    scores: (B,); kl, mask: (B, T). Returns (B, T), zero outside the mask.
     """
     rewards = -kl_coef * kl * mask                                         # (B, T)
     last = mask.sum(-1).long() - 1
-    rewards[torch.arange(len(scores)), last] += scores
-    returns = rewards.flip(-1).cumsum(-1).flip(-1)                         # G_t, gamma = 1
-    return (returns - baseline[:, None]) * mask
+    rewards[torch.arange(len(scores)), last] += scores                     # score at EOS / cut
+    return rewards
 
 
-def train_ppo(policy: torch.nn.Module, ref: torch.nn.Module, rollouts: Sequence[Rollout],
-              scores: Tensor, p: PPOParams, pad_id: int, rng: torch.Generator
-              ) -> dict[str, float]:
-    """Optimise the policy in place on its own rollouts; returns `update/` metrics."""
-    prompts = [r.prompt_ids for r in rollouts]
-    responses = [r.response_ids for r in rollouts]
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+        ) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over right-padded responses (Schulman et al. 2016).
+
+    rewards, values, mask: (B, T). The state after the last response token is terminal
+    (V = 0). Returns advantages and returns = advantages + values, both (B, T), 0 off-mask.
+    """
+    adv = torch.zeros_like(rewards)
+    next_adv = torch.zeros_like(rewards[:, 0])
+    next_value = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]        # TD error delta_t
+        adv[:, t] = (delta + gamma * lam * next_adv) * m                 # A_t = d_t + g l A_t+1
+        next_adv, next_value = adv[:, t], values[:, t] * m
+    return adv, (adv + values) * mask
+
+
+@dataclass(frozen=True)
+class Experience:
+    """A batch fixed before the epochs; every tensor is (B, T) over response tokens."""
+    prompts: list[tuple[int, ...]]
+    responses: list[tuple[int, ...]]
+    old_logprobs: Tensor          # pi_old
+    ref_logprobs: Tensor
+    mask: Tensor
+    old_values: Tensor            # V at rollout time (value clipping anchor)
+    advantages: Tensor            # whitened (if on) and multiplied by the IS weights
+    returns: Tensor               # value targets
+
+
+@torch.no_grad()
+def _forward_all(model: torch.nn.Module, head: ValueHead | None, rollouts: Sequence[Rollout],
+                 pad_id: int, temperature: float, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """No-grad log-probs, values (zeros without a head) and mask for all rollouts, (B, T)."""
+    width = max(len(r.response_ids) for r in rollouts)
+    parts = []
+    for s in range(0, len(rollouts), chunk):
+        rs = rollouts[s: s + chunk]
+        args = ([r.prompt_ids for r in rs], [r.response_ids for r in rs], pad_id, temperature)
+        if head is None:
+            lp, m = lm.response_logprobs(model, *args)
+            v = torch.zeros_like(lp)
+        else:
+            lp, v, m = logprobs_and_values(model, head, *args)
+        parts.append([torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in (lp, v, m)])
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
+
+
+def make_experience(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
+                    rollouts: Sequence[Rollout], scores: Tensor, n_reused: int,
+                    p: PPOParams, pad_id: int, it: int) -> tuple[Experience, dict[str, float]]:
+    """Fix pi_old, values, rewards, advantages and returns for a batch whose last n_reused
+    rollouts are reused off-policy samples; returns the batch and its metrics."""
     temperature = float(rollouts[0].sampling.get("temperature", 1.0))
-    old_logprobs = _pad([r.logprobs for r in rollouts])                    # (B, T)
+    chunk = max(p.minibatch_size, 1)
+    start_logprobs, values, mask = _forward_all(policy, head, rollouts, pad_id, temperature, chunk)
+    ref_logprobs, _, _ = _forward_all(ref.eval(), None, rollouts, pad_id, temperature, chunk)
+    stored = _pad([r.logprobs for r in rollouts])                          # (B, T) behaviour mu
+    n_fresh = len(rollouts) - n_reused
+    old_logprobs = torch.cat([stored[:n_fresh], start_logprobs[n_fresh:]])  # pi_old
+    weights, metrics = torch.ones_like(mask), {}
+    if n_reused:
+        lo, hi = p.reuse.truncate
+        w, raw = offpolicy.truncated_is_weights(start_logprobs[n_fresh:], stored[n_fresh:],
+                                                mask[n_fresh:], lo, hi, p.reuse.level)
+        weights[n_fresh:] = w                                              # w~ = clip(pi/mu)
+        ages = offpolicy.staleness([r.iteration for r in rollouts[n_fresh:]], it)
+        metrics.update(offpolicy.reuse_metrics(w, raw, mask[n_fresh:], ages, lo, hi,
+                                               p.reuse.level))
+    kls = {name: est(old_logprobs, ref_logprobs) * mask for name, est in KL_ESTIMATORS.items()}
+    in_reward = kls[p.kl_estimator] if p.kl_mode == "reward" else torch.zeros_like(mask)
+    rewards = token_rewards(scores, in_reward, mask, p.kl_coef)            # (B, T)
+    adv, returns = gae(rewards, values, mask, p.gamma, p.lam)
+    adv = whiten(adv, mask) if p.whiten_advantages else adv
+    n = mask.sum().clamp(min=1)
+    metrics.update({f"update/kl_{k}_per_token": float(v.sum() / n) for k, v in kls.items()})
+    metrics["update/kl_to_ref_per_token"] = metrics[f"update/kl_{p.kl_estimator}_per_token"]
+    metrics["update/value_loss_step0"] = float(ppo_value_loss(values, values, returns, mask,
+                                                              p.value_clip)[0])
+    exp = Experience([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
+                     old_logprobs, ref_logprobs, mask, values, adv * weights, returns)
+    return exp, metrics
+
+
+def minibatch_loss(policy: torch.nn.Module, head: ValueHead, exp: Experience, idx: Tensor,
+                   p: PPOParams, pad_id: int, temperature: float
+                   ) -> tuple[Tensor, dict[str, float]]:
+    """PPO loss of one minibatch: clipped surrogate + clipped value loss (+ KL if in the loss).
+
+    Also returns the minibatch's approx KL(pi_old || pi) (k3, before the step) and stats.
+    """
+    logprobs, values, m = logprobs_and_values(policy, head, [exp.prompts[i] for i in idx],
+                                              [exp.responses[i] for i in idx], pad_id,
+                                              temperature)
+    w = m.shape[1]
+    old, n = exp.old_logprobs[idx, :w], m.sum().clamp(min=1)
+    pg_loss, clipfrac = ppo_clip_loss(logprobs, old, exp.advantages[idx, :w], m, p.clip)
+    v_loss, vclipfrac = ppo_value_loss(values, exp.old_values[idx, :w], exp.returns[idx, :w],
+                                       m, p.value_clip)
+    ref = exp.ref_logprobs[idx, :w]
+    kl_now = {k: (est(logprobs, ref) * m).sum() / n for k, est in KL_ESTIMATORS.items()}
+    loss = pg_loss + v_loss
+    if p.kl_mode == "loss":
+        loss = loss + p.kl_coef * kl_now[p.kl_estimator]                  # + beta * KL(pi||ref)
     with torch.no_grad():
-        ref_logprobs, mask = lm.response_logprobs(ref.eval(), prompts, responses, pad_id,
-                                                  temperature)
-    kl = kl_k1(old_logprobs, ref_logprobs) * mask                          # (B, T)
-    baseline = leave_one_out_baseline(scores, [r.prompt_id for r in rollouts])
-    advantages = whiten(token_advantages(scores, kl, mask, baseline, p.kl_coef), mask)
-    opt = torch.optim.AdamW(policy.parameters(), lr=p.lr, weight_decay=0.0)
-    losses, clipfracs, approx_kls = [], [], []
+        approx_kl = float((kl_k3(old, logprobs) * m).sum() / n)          # KL(pi_old || pi)
+    return loss, {"loss": loss.item(), "pg_loss": pg_loss.item(), "value_loss": v_loss.item(),
+                  "clipfrac": float(clipfrac), "value_clipfrac": float(vclipfrac),
+                  "approx_kl": approx_kl, "kl_k1": float(kl_now["k1"].detach()),
+                  "kl_k3": float(kl_now["k3"].detach())}
+
+
+def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
+              rollouts: Sequence[Rollout], scores: Tensor, p: PPOParams, pad_id: int,
+              rng: torch.Generator, it: int = 0, reused: Sequence[Rollout] = (),
+              reused_scores: Tensor | None = None) -> dict[str, float]:
+    """Optimise policy and value head in place on this iteration's rollouts (plus reused ones
+    from earlier iterations, scores (B,) normalised like `scores`); returns `update/` metrics."""
+    rs, sc, n_reused = _select(list(rollouts), scores, list(reused), reused_scores, p, it)
+    exp, metrics = make_experience(policy, head, ref, rs, sc, n_reused, p, pad_id, it)
+    temperature = float(rs[0].sampling.get("temperature", 1.0))
+    opt = torch.optim.AdamW([{"params": list(policy.parameters()), "lr": p.lr},
+                             {"params": list(head.parameters()), "lr": p.value_lr}],
+                            weight_decay=0.0)
+    stats: list[dict[str, float]] = []
+    epochs_run, stopped = 0, False
     policy.train()
     for _ in range(p.epochs):
-        order = torch.randperm(len(rollouts), generator=rng)
+        epochs_run += 1
+        order = torch.randperm(len(rs), generator=rng)
         for s in range(0, len(order), p.minibatch_size):
-            idx = order[s: s + p.minibatch_size]
-            logprobs, m = lm.response_logprobs(policy, [prompts[i] for i in idx],
-                                               [responses[i] for i in idx], pad_id, temperature)
-            w = m.shape[1]
-            loss, clipfrac = ppo_clip_loss(logprobs, old_logprobs[idx, :w],
-                                           advantages[idx, :w], m, p.clip)
+            loss, st = minibatch_loss(policy, head, exp, order[s: s + p.minibatch_size], p,
+                                      pad_id, temperature)
+            if p.target_kl > 0 and st["approx_kl"] > p.target_kl:
+                stopped = True                                             # early stop
+                break
             opt.zero_grad()
             loss.backward()
             opt.step()
-            with torch.no_grad():
-                approx_kls.append(float(((old_logprobs[idx, :w] - logprobs) * m).sum()
-                                        / m.sum().clamp(min=1)))
-            losses.append(loss.item())
-            clipfracs.append(float(clipfrac))
+            stats.append(st)
+        if stopped:
+            break
     policy.eval()
-    n = mask.sum().clamp(min=1)
-    return {"update/steps": float(len(losses)), "update/n_rollouts": float(len(rollouts)),
-            "update/loss_last": losses[-1], "update/clipfrac_mean": sum(clipfracs) / len(clipfracs),
-            "update/approx_kl_last": approx_kls[-1], "update/score_mean": float(scores.mean()),
-            "update/kl_to_ref_per_token": float(kl.sum() / n)}
+    metrics.update(_summary(stats, epochs_run, stopped, len(rs), n_reused, sc))
+    return metrics
+
+
+def _select(rollouts: list[Rollout], scores: Tensor, reused: list[Rollout],
+            reused_scores: Tensor | None, p: PPOParams, it: int
+            ) -> tuple[list[Rollout], Tensor, int]:
+    """This iteration's rollouts, then the reused ones young enough; no_eos/reward shaping."""
+    ok = [young and r.iteration != it for r, young in zip(
+        reused, offpolicy.fresh_enough([r.iteration for r in reused], it, p.reuse.max_staleness))]
+    old_sc = reused_scores[torch.tensor(ok, dtype=torch.bool)] \
+        if reused and reused_scores is not None else scores[:0]
+    reused = [r for r, keep in zip(reused, ok) if keep]
+    rs, raw = rollouts + reused, torch.cat([scores, old_sc])
+    shaped, keep = shape_scores(raw, [r.finished for r in rs], p)
+    kept = [r for r, k in zip(rs, keep.tolist()) if k]
+    if not kept:
+        raise InputError("no rollouts left to train on (every response lacked EOS and "
+                         "no_eos is drop)")
+    return kept, shaped[keep], int(keep[len(rollouts):].sum())
+
+
+def _summary(stats: list[dict[str, float]], epochs_run: int, stopped: bool, n: int,
+             n_reused: int, scores: Tensor) -> dict[str, float]:
+    out = {"update/steps": float(len(stats)), "update/epochs_run": float(epochs_run),
+           "update/early_stopped": float(stopped), "update/n_rollouts": float(n - n_reused),
+           "update/n_reused": float(n_reused), "update/score_mean": float(scores.mean())}
+    keys = ("loss", "value_loss", "approx_kl", "kl_k1", "kl_k3", "clipfrac", "value_clipfrac")
+    last = stats[-1] if stats else dict.fromkeys(keys, 0.0)
+    mean = {k: sum(s[k] for s in stats) / len(stats) if stats else 0.0 for k in keys}
+    out.update({"update/loss_last": last["loss"], "update/value_loss_last": last["value_loss"],
+                "update/approx_kl_last": last["approx_kl"], "update/kl_k1_last": last["kl_k1"],
+                "update/kl_k3_last": last["kl_k3"], "update/clipfrac_mean": mean["clipfrac"],
+                "update/value_clipfrac_mean": mean["value_clipfrac"]})
+    return out

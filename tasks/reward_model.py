@@ -1,7 +1,10 @@
-"""Bradley-Terry reward model: a scalar head on a transformer backbone.
+"""Bradley-Terry reward model: a scalar head on a transformer backbone, or an ensemble of K.
 
 The reward of (prompt, response) is the head's output at the last real token of the
-chat-rendered sequence. Loading, scoring and training live here; `train_rm` is the stage edge.
+chat-rendered sequence. An ensemble's reward is the mean over its members and its uncertainty
+the (population) std. Saved layout: K = 1 is one model directory (`models/iter_k/rm/`);
+K > 1 keeps each member in `models/iter_k/rm/member_<i>/`, with the stats beside them.
+Loading, scoring and training live here; `train_rm` is the stage edge.
 """
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ import torch
 import transformers
 from torch import Tensor
 
-from tasks import lm
-from tasks.losses import bradley_terry_loss
+from tasks import layout, lm
+from tasks.losses import bradley_terry_margin_loss
 from tasks.params import TrainRMParams
 from tasks.records import PreferencePair, Prompt
 
@@ -30,27 +33,90 @@ class EncodedPair:
     rejected_ids: tuple[int, ...]
 
 
-def init_reward_model(backbone_dir: Path) -> transformers.PreTrainedModel:
-    """A fresh scalar head (num_labels=1) on the backbone's pretrained weights."""
-    return transformers.AutoModelForSequenceClassification.from_pretrained(
+def init_reward_model(backbone_dir: Path, rng: torch.Generator | None = None
+                      ) -> transformers.PreTrainedModel:
+    """A fresh scalar head (num_labels=1) on the backbone's pretrained weights; with `rng`, the
+    head is drawn from it (ensemble members differ by their head's seed)."""
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
         lm.check_model_dir(backbone_dir), num_labels=1, dtype=torch.float32)
+    if rng is not None:
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, model.config.initializer_range, generator=rng)
+    return model
 
 
-def load_reward_model(path: Path) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForSequenceClassification.from_pretrained(
-        lm.check_model_dir(path), dtype=torch.float32).eval()
+class RewardEnsemble(torch.nn.Module):
+    """K reward models scored together; K = 1 is the plain single model."""
+
+    def __init__(self, members: Sequence[transformers.PreTrainedModel]):
+        super().__init__()
+        if not members:
+            raise ValueError("an ensemble needs at least one member")
+        self.members = torch.nn.ModuleList(members)
+
+    def __len__(self) -> int:
+        return len(self.members)
 
 
-def rewards(model: transformers.PreTrainedModel, prompts: Sequence[Sequence[int]],
-            responses: Sequence[Sequence[int]], pad_id: int) -> Tensor:
-    """r(x, y) for each pair of ids, shape (B,). Scored at the last real token (mask-based,
-    so a pad id equal to EOS cannot move the read-out position)."""
+RewardModel = transformers.PreTrainedModel | RewardEnsemble
+
+
+def member_dirs(path: Path) -> list[Path]:
+    """The member directories of a saved reward model: itself (K = 1) or member_0..K-1."""
+    path = Path(path)
+    members = sorted(path.glob(f"{layout.RM_MEMBER_PREFIX}*"),
+                     key=lambda d: int(d.name.removeprefix(layout.RM_MEMBER_PREFIX)))
+    return [lm.check_model_dir(d) for d in members] if members else [lm.check_model_dir(path)]
+
+
+def load_reward_model(path: Path) -> RewardEnsemble:
+    """Load a saved reward model, single or ensemble, in eval mode."""
+    return RewardEnsemble([transformers.AutoModelForSequenceClassification.from_pretrained(
+        d, dtype=torch.float32).eval() for d in member_dirs(path)]).eval()
+
+
+def save_reward_model(members: Sequence[transformers.PreTrainedModel], path: Path) -> None:
+    """K = 1: the model in `path`; K > 1: member i in `path/member_<i>`."""
+    if len(members) == 1:
+        members[0].save_pretrained(path)
+        return
+    for i, m in enumerate(members):
+        m.save_pretrained(Path(path) / f"{layout.RM_MEMBER_PREFIX}{i}")
+
+
+def _single_rewards(model: transformers.PreTrainedModel, prompts: Sequence[Sequence[int]],
+                    responses: Sequence[Sequence[int]], pad_id: int) -> Tensor:
     ids, mask = lm.pad_right([list(p) + list(r) for p, r in zip(prompts, responses)], pad_id)
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state     # (B, T, H)
     last = mask.sum(-1) - 1                                                     # (B,)
     h_last = hidden[torch.arange(ids.shape[0]), last]                           # (B, H)
     return model.score(h_last).squeeze(-1)                                      # (B,)
+
+
+def member_rewards(model: RewardModel, prompts: Sequence[Sequence[int]],
+                   responses: Sequence[Sequence[int]], pad_id: int) -> Tensor:
+    """r_k(x, y) of every member k, shape (K, B)."""
+    members = model.members if isinstance(model, RewardEnsemble) else [model]
+    return torch.stack([_single_rewards(m, prompts, responses, pad_id) for m in members])
+
+
+def rewards(model: RewardModel, prompts: Sequence[Sequence[int]],
+            responses: Sequence[Sequence[int]], pad_id: int) -> Tensor:
+    """r(x, y) for each pair of ids, shape (B,): the ensemble mean. Scored at the last real
+    token (mask-based, so a pad id equal to EOS cannot move the read-out position)."""
+    return member_rewards(model, prompts, responses, pad_id).mean(0)
+
+
+@torch.no_grad()
+def reward_mean_std(model: RewardModel, prompts: Sequence[Sequence[int]],
+                    responses: Sequence[Sequence[int]], pad_id: int, batch_size: int = 32
+                    ) -> tuple[Tensor, Tensor]:
+    """Ensemble mean and population std over members of r(x, y), each (B,); std = 0 at K = 1."""
+    r = torch.cat([member_rewards(model, prompts[s: s + batch_size],
+                                  responses[s: s + batch_size], pad_id)
+                   for s in range(0, len(prompts), batch_size)], dim=1)        # (K, B)
+    return r.mean(0), r.std(0, unbiased=False)
 
 
 def encode_pairs(tok: transformers.PreTrainedTokenizerBase, pairs: Sequence[PreferencePair],
@@ -77,30 +143,46 @@ def heldout_split(pairs: Sequence[PreferencePair], fraction: float
     return train, held
 
 
-def _margins(model: transformers.PreTrainedModel, batch: Sequence[EncodedPair],
-             pad_id: int) -> Tensor:
+def _margins(model: RewardModel, batch: Sequence[EncodedPair], pad_id: int) -> Tensor:
+    """r_k(x, y_c) - r_k(x, y_r) per member, shape (K, B); differentiable."""
     prompts = [e.prompt_ids for e in batch]
-    r_c = rewards(model, prompts, [e.chosen_ids for e in batch], pad_id)
-    r_r = rewards(model, prompts, [e.rejected_ids for e in batch], pad_id)
+    r_c = member_rewards(model, prompts, [e.chosen_ids for e in batch], pad_id)
+    r_r = member_rewards(model, prompts, [e.rejected_ids for e in batch], pad_id)
     return r_c - r_r
 
 
 @torch.no_grad()
-def pairwise_accuracy(model: transformers.PreTrainedModel, data: Sequence[EncodedPair],
-                      pad_id: int, batch_size: int = 32) -> float:
-    if not data:
-        return float("nan")
+def pair_margins(model: RewardModel, data: Sequence[EncodedPair], pad_id: int,
+                 batch_size: int = 32) -> Tensor:
+    """Every member's margin on every pair, shape (K, N)."""
     model.eval()
-    correct = 0
-    for s in range(0, len(data), batch_size):
-        correct += int((_margins(model, data[s: s + batch_size], pad_id) > 0).sum())
-    return correct / len(data)
+    k = len(model) if isinstance(model, RewardEnsemble) else 1
+    if not data:
+        return torch.zeros(k, 0)
+    return torch.cat([_margins(model, data[s: s + batch_size], pad_id)
+                      for s in range(0, len(data), batch_size)], dim=1)
+
+
+def ensemble_agreement(margins: Tensor) -> dict[str, float]:
+    """Accuracy and disagreement of K members' margins on N pairs, margins (K, N).
+
+    accuracy: the ensemble mean margin prefers the chosen; disagreement: not every member
+    prefers the same side (sign of margin > 0); margin_std: mean over pairs of the members'
+    population std of the margin. Empty N gives nan.
+    """
+    if margins.shape[1] == 0:
+        return {k: float("nan") for k in ("accuracy", "member_accuracy", "disagreement",
+                                          "margin_std")}
+    wins = margins > 0                                                    # (K, N)
+    return {"accuracy": float((margins.mean(0) > 0).float().mean()),
+            "member_accuracy": float(wins.float().mean()),
+            "disagreement": float((wins != wins[:1]).any(0).float().mean()),
+            "margin_std": float(margins.std(0, unbiased=False).mean())}
 
 
 def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPair],
-                 heldout: Sequence[EncodedPair], p: TrainRMParams, pad_id: int,
-                 rng: torch.Generator) -> dict[str, float]:
-    """Fit the Bradley-Terry loss in place; returns metrics under the `rm/` namespace."""
+                 p: TrainRMParams, pad_id: int, rng: torch.Generator) -> dict[str, float]:
+    """Fit the (margin) Bradley-Terry loss in place; `rng` orders the data. Returns loss stats."""
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=p.weight_decay)
     losses: list[float] = []
     for _ in range(p.epochs):
@@ -108,30 +190,37 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
         order = torch.randperm(len(train), generator=rng).tolist()
         for s in range(0, len(order), p.batch_size):
             batch = [train[i] for i in order[s: s + p.batch_size]]
-            margins = _margins(model, batch, pad_id)
-            loss = bradley_terry_loss(margins, torch.zeros_like(margins)).mean()
+            margins = _margins(model, batch, pad_id)[0]                           # (B,)
+            loss = bradley_terry_margin_loss(margins, torch.zeros_like(margins),
+                                             p.margin).mean()   # -log sigma(r_c - r_r - m)
             opt.zero_grad()
             loss.backward()
             opt.step()
             losses.append(loss.item())
-    return {
-        "rm/loss_first": losses[0] if losses else float("nan"),
-        "rm/loss_last": losses[-1] if losses else float("nan"),
-        "rm/train_accuracy": pairwise_accuracy(model, train, pad_id),
-        "rm/accuracy": pairwise_accuracy(model, heldout, pad_id),
-        "rm/n_train": float(len(train)), "rm/n_heldout": float(len(heldout)),
-        "rm/steps": float(len(losses)),
-    }
+    model.eval()
+    return {"loss_first": losses[0] if losses else float("nan"),
+            "loss_last": losses[-1] if losses else float("nan"), "steps": float(len(losses))}
+
+
+def ensemble_metrics(model: RewardModel, train: Sequence[EncodedPair],
+                     heldout: Sequence[EncodedPair], pad_id: int) -> dict[str, float]:
+    """`rm/` metrics of a trained (ensemble) reward model on its train and held-out pairs."""
+    held = ensemble_agreement(pair_margins(model, heldout, pad_id))
+    return {"rm/accuracy": held["accuracy"], "rm/member_accuracy": held["member_accuracy"],
+            "rm/ensemble_disagreement": held["disagreement"],
+            "rm/ensemble_margin_std": held["margin_std"],
+            "rm/train_accuracy": ensemble_agreement(pair_margins(model, train, pad_id))["accuracy"],
+            "rm/n_train": float(len(train)), "rm/n_heldout": float(len(heldout)),
+            "rm/ensemble": float(len(model) if isinstance(model, RewardEnsemble) else 1)}
 
 
 @torch.no_grad()
-def reward_stats(model: transformers.PreTrainedModel, data: Sequence[EncodedPair],
-                 pad_id: int) -> dict[str, float]:
-    """Mean and std of rewards over the training responses (stored to normalise later)."""
-    model.eval()
-    rs = [rewards(model, [e.prompt_ids] * 2, [e.chosen_ids, e.rejected_ids], pad_id)
-          for e in data]
-    flat = torch.cat(rs) if rs else torch.zeros(1)
+def reward_stats(model: RewardModel, data: Sequence[EncodedPair], pad_id: int
+                 ) -> dict[str, float]:
+    """Mean and std of the (ensemble mean) reward over the training responses, to normalise."""
+    prompts = [e.prompt_ids for e in data] * 2
+    responses = [e.chosen_ids for e in data] + [e.rejected_ids for e in data]
+    flat = reward_mean_std(model, prompts, responses, pad_id)[0] if data else torch.zeros(1)
     return {"mean": float(flat.mean()), "std": float(flat.std()) if flat.numel() > 1 else 1.0}
 
 

@@ -1,44 +1,81 @@
-"""Stage `train_rm`: the iteration's Bradley-Terry reward model.
+"""Stage `train_rm`: the iteration's Bradley-Terry reward model, or an ensemble of K.
 
 It learns from the pair pool: the off-policy pairs plus every on-policy pair the judge has
 labelled up to and including this iteration's rollouts, so that it is reliable where the current
-policy samples. The backbone starts from the initial model; the head is new each iteration.
+policy samples, with the person's audit verdicts (`audit/labels.jsonl`) applied first. Each
+member's backbone starts from the initial model; members differ by seed (head init, data
+order). Afterwards the pairs to audit next are exported to `audit/iter_k/queue.jsonl`.
 """
 from __future__ import annotations
 
-from tasks import atomic, jsonl, layout, lm, stage
+from collections.abc import Sequence
+from pathlib import Path
+
+import transformers
+
+from tasks import atomic, audit, jsonl, layout, lm, stage
 from tasks.jsonl import DataError
-from tasks.records import parse_pair
-from tasks.reward_model import (encode_pairs, heldout_split, init_reward_model, reward_stats,
-                                save_stats, train_reward)
+from tasks.params import Params
+from tasks.records import PreferencePair, parse_pair
+from tasks.reward_model import (EncodedPair, RewardEnsemble, encode_pairs, ensemble_metrics,
+                                heldout_split, init_reward_model, pair_margins, reward_stats,
+                                save_reward_model, save_stats, train_reward)
+
+
+def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_id: int,
+                  it: int) -> tuple[list[transformers.PreTrainedModel], dict[str, float]]:
+    """K members, member i seeded by (seed, it, i); loss stats averaged over members."""
+    members, runs = [], []
+    for i in range(p.train_rm.ensemble):
+        model = init_reward_model(backbone, stage.generator(p.seed, 2, it, i, 0))   # head init
+        runs.append(train_reward(model, train, p.train_rm, pad_id,
+                                 stage.generator(p.seed, 2, it, i, 1)))             # data order
+        members.append(model)
+    return members, {f"rm/{k}": sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+
+
+def read_pool(root: Path, it: int) -> tuple[list[PreferencePair], dict[str, audit.AuditLabel]]:
+    pool_path = str(root / layout.pairs_pool(it))
+    pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
+    labels_path = root / layout.AUDIT_LABELS
+    audit.ensure_labels_file(labels_path)
+    return pool, audit.parse_labels(labels_path)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "")
     p, it, root = args.params, args.it, args.root
-    pool_path = str(root / layout.pairs_pool(it))
-    pairs = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
+    pool, labels = read_pool(root, it)
+    pairs, audit_metrics = audit.apply_audit(pool, labels)
     if len(pairs) < 2:
-        raise DataError(f"{pool_path}: {len(pairs)} pairs; the reward model needs at least 2")
+        raise DataError(f"{root / layout.pairs_pool(it)}: {len(pairs)} pairs after the audit; "
+                        "the reward model needs at least 2")
     backbone = root / layout.policy(0)
     tok = lm.load_tokenizer(backbone)
-    model = init_reward_model(backbone)
     train, held = heldout_split(pairs, p.train_rm.heldout_fraction)
     enc = lambda ps: encode_pairs(tok, ps, p.model.max_prompt_tokens, p.train_rm.max_length)  # noqa: E731
     enc_train, enc_held = enc(train), enc(held)
-    metrics = train_reward(model, enc_train, enc_held, p.train_rm, tok.pad_token_id,
-                           stage.generator(p.seed, 2, it))
+    members, metrics = train_members(backbone, enc_train, p, tok.pad_token_id, it)
+    ensemble = RewardEnsemble(members)
+    metrics.update(ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id))
+    metrics.update(audit_metrics)
     metrics["rm/n_onpolicy"] = float(sum(1 for x in pairs if x.source.startswith("iter_")))
-    stats = reward_stats(model, enc_train, tok.pad_token_id)
+    stats = reward_stats(ensemble, enc_train, tok.pad_token_id)
+    new = [x for x in pool if x.source == f"iter_{it}"]         # the judge's labels, unaudited
+    queue = audit.build_queue(new, pair_margins(ensemble, enc(new), tok.pad_token_id), labels,
+                              p.train_rm.audit_top_n, p.train_rm.audit_random_n,
+                              stage.generator(p.seed, 6, it))
+    metrics["rm/audit_queue_n"] = float(len(queue))
     with atomic.directory(root / layout.reward_model(it)) as tmp:
-        model.save_pretrained(tmp)
+        save_reward_model(members, tmp)
         tok.save_pretrained(tmp)
         save_stats(tmp, stats)
         atomic.write_json(tmp / layout.MODEL_META, {"iteration": it, "role": "reward_model",
-                                                    "pairs": len(pairs)})
+                                                    "pairs": len(pairs), "ensemble": len(members)})
+    jsonl.write(root / layout.audit_queue(it), queue)
     stage.write_metrics(root, layout.metrics(it, "train_rm"), metrics)
-    print(f"train_rm@{it}: {len(train)} train / {len(held)} held-out pairs, "
-          f"held-out accuracy {metrics['rm/accuracy']:.3f}")
+    print(f"train_rm@{it}: {len(members)} member(s), {len(train)} train / {len(held)} held-out "
+          f"pairs, held-out accuracy {metrics['rm/accuracy']:.3f}, {len(queue)} pairs to audit")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Stage `update`: one policy update per iteration, DPO or PPO as params select.
 
-- `dpo`: sigmoid DPO on this iteration's judged pairs, sampled from the current policy
-  (online/iterative DPO), against the reference policy.
-- `ppo`: clipped PPO on this iteration's rollouts, rewarded by this iteration's reward model,
-  with a per-token KL penalty to the reference.
+- `dpo`: DPO (sigmoid, IPO or cDPO) on best-vs-worst pairs of this iteration's samples from
+  the current policy (online/iterative DPO), ranked by the judge or by this iteration's reward
+  model, optionally mixed with off-policy pairs from the previous pool; against the reference.
+- `ppo`: clipped PPO with a value head (GAE, value clipping, early stop on approx KL) on this
+  iteration's rollouts (optionally also the previous iteration's, reweighted by truncated
+  importance ratios), rewarded by this iteration's reward model, KL to the reference in the
+  reward or the loss; the value head is saved in the policy directory for the next iteration.
 The reference is an explicit, versioned input: the initial model or the previous policy.
 """
 from __future__ import annotations
@@ -13,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from tasks import atomic, jsonl, layout, lm, stage
-from tasks.dpo import train_dpo
+from tasks import atomic, jsonl, layout, lm, stage, value_head
+from tasks.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
 from tasks.params import Params
-from tasks.ppo import train_ppo
-from tasks.records import parse_pair, parse_rollout
+from tasks.ppo import REPLAY_FILE, train_ppo
+from tasks.records import Rollout, parse_pair, parse_rollout
 from tasks.reward_model import encode_pairs, load_reward_model, load_stats, rewards
 
 
@@ -27,29 +30,79 @@ def reference_dir(p: Params, it: int) -> str:
 
 def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
             it: int, rng: torch.Generator) -> dict[str, float]:
-    path = str(root / layout.pairs(it))
-    pairs = [parse_pair(rec, path, n, f"iter_{it}") for n, rec in jsonl.read(path)]
-    enc = encode_pairs(tok, pairs, p.model.max_prompt_tokens, p.update.max_length)  # type: ignore[arg-type]
-    return train_dpo(policy, ref, enc, p.update.dpo, tok.pad_token_id, rng)  # type: ignore[attr-defined]
+    """DPO on this iteration's on-policy pairs (picked by `pair_source`), plus `offpolicy_mix`
+    of pairs from the previous pool at loss weight `offpolicy_weight`."""
+    d, pad = p.update.dpo, tok.pad_token_id  # type: ignore[attr-defined]
+    mpt, max_len = p.model.max_prompt_tokens, p.update.max_length
+    encode = lambda ps: encode_pairs(tok, ps, mpt, max_len)  # type: ignore[arg-type]  # noqa: E731
+    metrics: dict[str, float] = {}
+    if d.pair_source == "rm":       # best vs worst of each prompt's K rollouts by this RM
+        path = str(root / layout.rollouts(it))
+        rollouts = [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
+        rm = load_reward_model(root / layout.reward_model(it))
+        onpolicy, metrics = rm_best_vs_worst(rm, rollouts, pad, max_len)
+    else:                           # best vs worst by the judge (judge@it)
+        path = str(root / layout.pairs(it))
+        onpolicy = encode([parse_pair(rec, path, n, f"iter_{it}") for n, rec in jsonl.read(path)])
+    offpolicy = []
+    if d.offpolicy_mix > 0:         # a share of the previous pool, off-policy for this policy
+        pool_path = str(root / layout.pairs_pool(it - 1))
+        pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
+        pick = offpolicy_indices(len(onpolicy), len(pool), d.offpolicy_mix,
+                                 stage.generator(p.seed, 7, it))
+        offpolicy = encode([pool[i] for i in pick])
+    weights = torch.tensor([1.0] * len(onpolicy) + [d.offpolicy_weight] * len(offpolicy))
+    metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, d, pad, rng, weights))
+    metrics.update({"update/n_onpolicy_pairs": float(len(onpolicy)),
+                    "update/n_offpolicy_pairs": float(len(offpolicy)),
+                    "update/offpolicy_weight": d.offpolicy_weight})
+    return metrics
 
 
-def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
-            it: int, rng: torch.Generator) -> dict[str, float]:
-    path = str(root / layout.rollouts(it))
-    rollouts = [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
-    rollouts = [r for r in rollouts if r.response_ids]
-    rm_dir = root / layout.reward_model(it)
-    rm, stats = load_reward_model(rm_dir), load_stats(rm_dir)
-    pad = tok.pad_token_id  # type: ignore[attr-defined]
+Writer = Callable[[Path], None]   # writes an extra file into the new policy directory
+
+
+def _scores(rm: torch.nn.Module, stats: dict[str, float], rollouts: list[Rollout],
+            pad: int) -> torch.Tensor:
+    """RM scores normalised with the stats stored with the RM, shape (B,)."""
     with torch.no_grad():
         raw = torch.cat([rewards(rm, [r.prompt_ids for r in rollouts[s: s + 32]],
                                  [r.response_ids for r in rollouts[s: s + 32]], pad)
-                         for s in range(0, len(rollouts), 32)])
-    scores = (raw - stats["mean"]) / max(stats["std"], 1e-6)             # normalised RM reward
-    return train_ppo(policy, ref, rollouts, scores, p.update.ppo, pad, rng)
+                         for s in range(0, len(rollouts), 32)]) if rollouts else torch.zeros(0)
+    return (raw - stats["mean"]) / max(stats["std"], 1e-6)               # normalised RM reward
 
 
-ALGORITHMS: dict[str, Callable[..., dict[str, float]]] = {"dpo": run_dpo, "ppo": run_ppo}
+def _read_rollouts(path: Path) -> list[Rollout]:
+    if not path.is_file():
+        return []
+    rollouts = [parse_rollout(rec, str(path), n) for n, rec in jsonl.read(path)]
+    return [r for r in rollouts if r.response_ids]
+
+
+def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
+            it: int, rng: torch.Generator) -> tuple[dict[str, float], list[Writer]]:
+    """PPO on this iteration's rollouts; with reuse.iterations_back = 1 also on the previous
+    iteration's, which update@{it-1} kept in its policy directory (a declared out of update@{it-1}
+    and dep of update@{it}); the critic starts from update@{it-1}'s value head (value_reuse)."""
+    q, pad = p.update.ppo, tok.pad_token_id  # type: ignore[attr-defined]
+    rollouts = _read_rollouts(root / layout.rollouts(it))
+    prev_dir = root / layout.policy(it - 1)
+    reused = _read_rollouts(prev_dir / REPLAY_FILE) if q.reuse.iterations_back >= 1 else []
+    rm_dir = root / layout.reward_model(it)
+    rm, stats = load_reward_model(rm_dir), load_stats(rm_dir)
+    head, loaded = value_head.load_or_init(prev_dir, policy.config.hidden_size,  # type: ignore[attr-defined]
+                                           q.value_reuse)
+    metrics = train_ppo(policy, head, ref, rollouts, _scores(rm, stats, rollouts, pad), q, pad,
+                        rng, it, reused, _scores(rm, stats, reused, pad))
+    metrics["update/value_head_reused"] = float(loaded)
+    writers: list[Writer] = [lambda d: value_head.save(head, d)]
+    if q.reuse.iterations_back >= 1:          # keep this iteration's rollouts for update@{it+1}
+        writers.append(lambda d: jsonl.write(d / REPLAY_FILE, [r.to_record() for r in rollouts]))
+    return metrics, writers
+
+
+ALGORITHMS: dict[str, Callable[..., dict[str, float] | tuple[dict[str, float], list[Writer]]]] \
+    = {"dpo": run_dpo, "ppo": run_ppo}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,11 +113,13 @@ def main(argv: list[str] | None = None) -> None:
     ref = lm.load_causal_lm(root / reference_dir(p, it))
     for q in ref.parameters():
         q.requires_grad_(False)
-    metrics = ALGORITHMS[p.update.algo](policy, ref, tok, p, root, it,
-                                        stage.generator(p.seed, 3, it))
+    out = ALGORITHMS[p.update.algo](policy, ref, tok, p, root, it, stage.generator(p.seed, 3, it))
+    metrics, writers = out if isinstance(out, tuple) else (out, [])
     with atomic.directory(root / layout.policy(it)) as tmp:
         policy.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        for write in writers:                 # e.g. PPO's value head
+            write(tmp)
         atomic.write_json(tmp / layout.MODEL_META, {
             "iteration": it, "role": "policy", "algo": p.update.algo,
             "parent": layout.policy(it - 1), "reference": reference_dir(p, it)})

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
+from conftest import set_params as set_workspace_params
 from tasks import (collect_offpolicy, evaluate, jsonl, judge, layout, lm, prepare_model, prompts,
                    reference_samples, reward_model, rollout, stage, train_rm, update)
 from tasks.judges import LexiconJudge
@@ -70,18 +70,7 @@ def copy_workspace(src: Workspace, dst: Path) -> Workspace:
 
 
 def set_params(ws: Workspace, **edits: Any) -> None:
-    """Set dotted keys (given with `__` for `.`) in the workspace's params.yaml."""
-    path = ws.path(layout.PARAMS_FILE)
-    data = yaml.safe_load(path.read_text())
-    for dotted, value in edits.items():
-        *parents, last = dotted.split("__")
-        node = data
-        for key in parents:
-            node = node[key]
-        assert last in node, f"{dotted} is not a key of params.yaml"
-        node[last] = value
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    load_params(path)                                      # the edit is itself a valid profile
+    set_workspace_params(ws.path(layout.PARAMS_FILE), **edits)
 
 
 def tree_digest(path: Path) -> dict[str, str]:
