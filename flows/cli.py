@@ -21,12 +21,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     if params is None and not (root / "params.yaml").is_file():
         params = DEFAULT_PARAMS
     ws, changed = wsmod.prepare(root, params)
-    wsmod.apply_environment(ws)
     print(f"workspace {ws.root}" + (f" (synced: {', '.join(changed)})" if changed else ""))
+    return _run_flow(ws, force=[])
+
+
+def cmd_rerun(args: argparse.Namespace) -> int:
+    from flows import dag
+    ws = _existing(args.workspace)
+    names = [r.name for r in dag.ordered_stages(ws.root)]
+    if args.stage not in names:
+        raise InputError(f"{args.stage}: no such stage instance (have: {', '.join(names)})")
+    force = [args.stage] + (dag.downstream(ws.root, args.stage) if args.downstream else [])
+    print(f"rerun: {', '.join(force)}; every other stage as DVC decides")
+    return _run_flow(ws, force=force)
+
+
+def _existing(workspace: str) -> wsmod.Workspace:
+    root = Path(workspace).resolve()
+    if not (root / "dvc.yaml").is_file():
+        raise InputError(f"{root}: not an alignloop workspace (no dvc.yaml); run it first")
+    ws = wsmod.Workspace(root)
+    wsmod.apply_environment(ws)
+    return ws
+
+
+def _run_flow(ws: wsmod.Workspace, force: list[str]) -> int:
+    wsmod.apply_environment(ws)
     _quiet_prefect()
     from flows.pipeline import alignloop
+    from flows.schedule import workspace_lock
     t0 = time.perf_counter()
-    summaries = alignloop(str(ws.root))
+    with workspace_lock(ws, "wait"):          # never interleaved with a scheduled tick
+        summaries = alignloop(str(ws.root), force=force)
     ran = [s["name"] for it in summaries for s in it["stages"] if s["outcome"] != "cached"]
     total = sum(len(it["stages"]) for it in summaries)
     print(f"done in {time.perf_counter() - t0:.1f} s: {len(ran)} of {total} stages "
@@ -45,14 +71,14 @@ def _quiet_prefect() -> None:
     import os
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
-    for name in ("uvicorn", "uvicorn.error", "prefect.server", "asyncio", "httpx"):
+    for name in ("uvicorn", "uvicorn.error", "prefect.server", "asyncio", "httpx", "mlflow",
+                 "alembic"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from flows import dag
-    root = Path(args.workspace).resolve()
-    wsmod.apply_environment(wsmod.Workspace(root))
+    root = _existing(args.workspace).root
     states = dag.stage_states(root)
     if args.json:
         print(json.dumps([{"stage": s.name, "state": s.state, "reasons": s.reasons}
@@ -102,6 +128,125 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lineage(args: argparse.Namespace) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from flows import lineage, verify
+    root = _existing(args.workspace).root
+    client = MlflowClient()
+    tree = lineage.model_lineage(root, client, lineage.resolve(client, args.model))
+    if args.json:
+        print(json.dumps(tree, indent=2, default=str))
+    else:
+        _print_lineage(tree)
+    if not args.verify:
+        return 0
+    problems = []
+    node: object = tree
+    while isinstance(node, dict):          # this version and every parent policy
+        problems += verify.verify(root, lineage.iter_artifacts(node["produced_by"]),
+                                  node["git_commit"])
+        node = node.get("parent_policy")
+    for p in problems:
+        print(f"verify: FAILED {p}", file=sys.stderr)
+    n = len(lineage.iter_artifacts(tree))
+    print(f"verify: {'FAILED' if problems else 'ok'}: {n} artifacts re-hashed from the DVC "
+          f"cache and remote{', ' + str(len(problems)) + ' problems' if problems else ''}")
+    return 1 if problems else 0
+
+
+def _print_lineage(node: dict, indent: int = 0) -> None:
+    pad = "  " * indent
+    print(f"{pad}{node['model']} v{node['version']} {node['aliases'] or ''} "
+          f"md5 {node['model_md5']} commit {node['git_commit'][:10]} "
+          f"flow-run {node['prefect_flow_run_id']}")
+    if node.get("reward_model"):
+        rm = node["reward_model"]
+        print(f"{pad}  reward model v{rm['version']} ({rm['dvc_stage']}, md5 {rm['model_md5']})")
+
+    def stage(n: dict, depth: int) -> None:
+        p = "  " * depth
+        print(f"{p}<- {n['stage']}  params md5 {n['params_md5'][:10]}")
+        for i in n["inputs"]:
+            rows = f", {i['rows']} rows" if "rows" in i else ""
+            print(f"{p}   input {i['path']} md5 {i['md5']} ({i.get('size')} bytes{rows})")
+            if isinstance(i["produced_by"], dict) and "inputs" in i["produced_by"]:
+                stage(i["produced_by"], depth + 2)
+    stage(node["produced_by"], indent + 1)
+    if isinstance(node.get("parent_policy"), dict):
+        print(f"{pad}  parent policy:")
+        _print_lineage(node["parent_policy"], indent + 2)
+    else:
+        print(f"{pad}  parent policy: {node.get('parent_policy')} (the initial model)")
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    from flows import server
+    ws = _existing(args.workspace)
+    if args.action == "start":
+        info = server.start(ws, port=args.port)
+        print(f"prefect server up: {info['ui_url']} (API {info['api_url']}, pid {info['pid']}); "
+              f"export PREFECT_API_URL={info['api_url']}")
+    elif args.action == "stop":
+        print("prefect server stopped" if server.stop(ws) else "no prefect server running")
+    else:
+        info = server.status(ws)
+        print(json.dumps(info) if info else "no prefect server running")
+        return 0 if info else 1
+    return 0
+
+
+def _api_url(ws: wsmod.Workspace) -> str:
+    """The team's PREFECT_API_URL if set, else this workspace's own standalone server."""
+    import os
+
+    from flows import server
+    url = os.environ.get("PREFECT_API_URL")
+    if not url:
+        url = server.start(ws)["api_url"]
+        os.environ["PREFECT_API_URL"] = url
+    return url
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    ws = _existing(args.workspace)
+    url = _api_url(ws)
+    _quiet_prefect()
+    from flows.schedule import serve
+    print(f"serving alignloop-{ws.root.name} on cron '{args.cron}' against {url} "
+          f"(overlapping ticks: {args.overlap}); Ctrl-C stops serving")
+    serve(ws, args.cron, args.overlap)
+    return 0
+
+
+def cmd_tick(args: argparse.Namespace) -> int:
+    ws = _existing(args.workspace)
+    if args.server:
+        _api_url(ws)
+    _quiet_prefect()
+    from flows.schedule import tick
+    result = tick(str(ws.root), overlap=args.overlap)
+    print(f"tick: {result['outcome']}" + (f" iteration {result['iteration']}"
+                                          if "iteration" in result else ""))
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from flows import aliases
+    root = _existing(args.workspace).root
+    e = aliases.deploy(root, args.version, args.reason)
+    print(f"production: v{e['from']} -> v{e['to']} ({e['who']}, {e['time']}: {e['why']})")
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from flows import aliases
+    root = _existing(args.workspace).root
+    e = aliases.rollback(root, args.reason)
+    print(f"production rolled back: v{e['from']} -> v{e['to']} ({e['who']}, {e['time']})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="alignloop", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -116,15 +261,56 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--workspace", default=DEFAULT_WORKSPACE, help="workspace directory")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=func)
+    rerun = sub.add_parser("rerun", help="recompute one stage instance (and, with "
+                                         "--downstream, what depends on it)")
+    rerun.add_argument("stage", help="stage instance, e.g. train_rm@2 or prompts")
+    rerun.add_argument("--downstream", action="store_true")
+    rerun.add_argument("--workspace", default=DEFAULT_WORKSPACE)
+    rerun.set_defaults(func=cmd_rerun)
+    lin = sub.add_parser("lineage", help="provenance of a registered model version")
+    lin.add_argument("model", help="models:/alignloop-policy@production or models:/NAME/VERSION")
+    lin.add_argument("--workspace", default=DEFAULT_WORKSPACE)
+    lin.add_argument("--json", action="store_true")
+    lin.add_argument("--verify", action="store_true",
+                     help="re-hash every artifact from the DVC cache and remote")
+    lin.set_defaults(func=cmd_lineage)
+    dep = sub.add_parser("deploy", help="move the `production` alias (default: the champion)")
+    dep.add_argument("version", nargs="?")
+    dep.add_argument("--reason", default="deploy", help="why (recorded with the move)")
+    dep.add_argument("--workspace", default=DEFAULT_WORKSPACE)
+    dep.set_defaults(func=cmd_deploy)
+    rb = sub.add_parser("rollback", help="move `production` back to its previous version")
+    rb.add_argument("--reason", default="rollback", help="why (recorded with the move)")
+    rb.add_argument("--workspace", default=DEFAULT_WORKSPACE)
+    rb.set_defaults(func=cmd_rollback)
+    srv = sub.add_parser("server", help="this workspace's standalone Prefect server (loopback)")
+    srv.add_argument("action", choices=["start", "stop", "status"])
+    srv.add_argument("--port", type=int, default=4200)
+    srv.add_argument("--workspace", default=DEFAULT_WORKSPACE)
+    srv.set_defaults(func=cmd_server)
+    sch = sub.add_parser("schedule", help="serve recurring iterations on a cron schedule")
+    sch.add_argument("--cron", required=True, help='e.g. "0 3 * * 1" (Mondays 03:00)')
+    sch.add_argument("--overlap", choices=["wait", "skip"], default="skip",
+                     help="an overlapping tick waits for the running one, or is skipped")
+    sch.add_argument("--workspace", default=DEFAULT_WORKSPACE)
+    sch.set_defaults(func=cmd_schedule)
+    tk = sub.add_parser("tick", help="run the next iteration now, as a scheduled tick would")
+    tk.add_argument("--overlap", choices=["wait", "skip"], default="wait")
+    tk.add_argument("--server", action="store_true",
+                    help="against the standalone server (started if needed)")
+    tk.add_argument("--workspace", default=DEFAULT_WORKSPACE)
+    tk.set_defaults(func=cmd_tick)
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    from flows.aliases import AliasError
     from flows.dag import StageFailed
+    from flows.lineage import LineageError
     try:
         code = args.func(args)
-    except (InputError, FileNotFoundError) as e:
+    except (InputError, FileNotFoundError, AliasError, LineageError) as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
     except StageFailed as e:

@@ -19,7 +19,7 @@ from dvc.repo import Repo
 
 # canonical order among stages that DVC leaves unordered (topology always wins)
 STAGE_ORDER = ("prompts", "prepare_model", "collect_offpolicy", "reference_samples", "rollout",
-               "judge", "train_rm", "update", "evaluate")
+               "judge", "train_rm", "update", "evaluate", "gate")
 State = Literal["up-to-date", "changed", "missing"]
 Outcome = Literal["ran", "restored", "cached"]
 
@@ -97,6 +97,17 @@ def stage_states(root: Path) -> list[StageState]:
     return out
 
 
+def downstream(root: Path, name: str) -> list[str]:
+    """The stage instances that depend, directly or not, on `name` (in run order)."""
+    with contextlib.chdir(root), Repo(str(root)) as repo:
+        graph = repo.index.graph
+        node = next((n for n in graph.nodes if n.addressing == name), None)
+        if node is None:
+            raise KeyError(name)
+        after = {n.addressing for n in nx.ancestors(graph, node)}   # edges point upstream
+    return [r.name for r in ordered_stages(root) if r.name in after]
+
+
 def read_lock(root: Path) -> dict[str, Any]:
     """dvc.lock's stage entries: cmd, deps/outs with md5 and size, params values."""
     path = root / "dvc.lock"
@@ -112,18 +123,19 @@ class StageRun:
     seconds: float
 
 
-def reproduce(root: Path, name: str) -> StageRun:
-    """Bring one stage instance up to date: run it, restore it from the run-cache, or skip."""
+def reproduce(root: Path, name: str, force: bool = False) -> StageRun:
+    """Bring one stage instance up to date: run it, restore it from the run-cache, or skip.
+    With force, run its command whatever DVC's caches say."""
     t0 = time.perf_counter()
     with contextlib.chdir(root), Repo(str(root)) as repo:
         stage = next(s for s in repo.index.stages if s.addressing == name)
-        if not repo.status(targets=[name]).get(name) and name in read_lock(root):
+        if not force and not repo.status(targets=[name]).get(name) and name in read_lock(root):
             return StageRun(name, "cached", time.perf_counter() - t0)
-        in_run_cache = _in_run_cache(repo, stage)
+        in_run_cache = not force and _in_run_cache(repo, stage)
         try:
             with contextlib.redirect_stdout(io.StringIO()) if in_run_cache else \
                     contextlib.nullcontext():
-                repo.reproduce(targets=[name], single_item=True)
+                repo.reproduce(targets=[name], single_item=True, force=force)
         except ReproductionError:
             # DVC removed the outputs before running; put the last good (locked) ones back
             with contextlib.suppress(Exception):

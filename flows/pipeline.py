@@ -6,6 +6,7 @@ Prefect result caching stays off: DVC alone decides what is up to date.
 """
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from dataclasses import asdict
@@ -19,6 +20,7 @@ from prefect.runtime import flow_run
 
 from flows import dag, registry
 from flows.workspace import git
+from tasks import layout
 from tasks.params import load_params
 
 Summary = dict[str, Any]
@@ -34,9 +36,9 @@ def say(msg: str) -> None:
 
 
 @task(name="stage", task_run_name="{name}", cache_policy=NO_CACHE)
-def run_stage(root: str, name: str) -> dag.StageRun:
-    say(f"[run] {name} ...")
-    result = dag.reproduce(Path(root), name)
+def run_stage(root: str, name: str, force: bool = False) -> dag.StageRun:
+    say(f"[{'rerun' if force else 'run'}] {name} ...")
+    result = dag.reproduce(Path(root), name, force=force)
     say(f"[{result.outcome}] {name} ({result.seconds:.1f} s)")
     return result
 
@@ -51,24 +53,31 @@ def push_data(root: str) -> int:
         return int(repo.push())
 
 
-def commit_iteration(root: Path, iteration: int, runs: list[dag.StageRun]) -> str:
-    """Commit dvc.lock, params and metrics when they changed; returns HEAD's sha."""
+def commit_iteration(root: Path, iteration: int, runs: list[dag.StageRun],
+                     last: bool) -> str:
+    """Commit what the iteration changed (dvc.lock, params, metrics); returns HEAD's sha.
+
+    A group whose stages were all cached commits nothing (its changes, say a params edit for a
+    later iteration, go with the next commit), except the last one, which leaves a clean tree.
+    """
+    ran = [r for r in runs if r.outcome != "cached"]
     git(root, "add", "-A")
-    if git(root, "status", "--porcelain"):
-        ran = ", ".join(f"{r.name} ({r.outcome})" for r in runs if r.outcome != "cached")
-        git(root, "commit", "-q", "-m", f"alignloop: iteration {iteration}\n\nStages: "
-                                         f"{ran or 'none'}")
+    if git(root, "status", "--porcelain") and (ran or last):
+        title = f"alignloop: iteration {iteration}" if ran else "alignloop: declaration update"
+        body = ", ".join(f"{r.name} ({r.outcome})" for r in ran) or "no stage ran"
+        git(root, "commit", "-q", "-m", f"{title}\n\nStages: {body}")
     sha = git(root, "rev-parse", "HEAD")
-    if iteration > 0:
+    if iteration > 0 and ran:
         git(root, "tag", "-f", f"iteration-{iteration}", sha)
     return sha
 
 
 @task(name="record-iteration", task_run_name="record-iteration-{iteration}",
       cache_policy=NO_CACHE)
-def record_iteration(root: str, iteration: int, runs: list[dag.StageRun]) -> Summary:
+def record_iteration(root: str, iteration: int, runs: list[dag.StageRun],
+                     last: bool = False) -> Summary:
     path = Path(root)
-    sha = commit_iteration(path, iteration, runs)
+    sha = commit_iteration(path, iteration, runs, last)
     lock = dag.read_lock(path)
     names = [r.name for r in runs]
     fp = registry.fingerprint(lock, names)
@@ -86,20 +95,44 @@ def record_iteration(root: str, iteration: int, runs: list[dag.StageRun]) -> Sum
                   "judge": f"{p.judge.kind}:{p.judge.version}", "algo": p.update.algo,
                   "reference": p.update.reference, "workspace": str(path)}
         summary.update(registry.register_iteration(path, iteration, lock, run_id, common))
+        summary["gate"] = apply_gate(path, iteration, summary["policy_version"])
     summary["recorded"] = "now"
     return summary
 
 
+def apply_gate(root: Path, iteration: int, version: str) -> str:
+    """Move `champion` to the version when its gate decision passed; else record why not."""
+    from flows import aliases
+    decision = json.loads((root / layout.gate(iteration)).read_text())
+    client = registry.MlflowClient()
+    if not decision["passed"]:
+        why = "; ".join(decision["reasons"])
+        client.set_model_version_tag(registry.POLICY_MODEL, version, "gate", f"failed: {why}")
+        say(f"gate: iteration {iteration} (v{version}) not promoted: {why}")
+        return "failed"
+    client.set_model_version_tag(registry.POLICY_MODEL, version, "gate", "passed")
+    if aliases.current(client, "champion") != version:
+        aliases.move(root, "champion", version, f"gate passed at iteration {iteration}", "gate")
+        say(f"gate: iteration {iteration} (v{version}) is the new champion")
+    return "passed"
+
+
 @flow(name="alignloop", flow_run_name="alignloop-{workspace}")
-def alignloop(workspace: str) -> list[Summary]:
-    """Run every stage instance of the workspace's DAG, iteration by iteration."""
+def alignloop(workspace: str, force: list[str] | None = None) -> list[Summary]:
+    """Run every stage instance of the workspace's DAG, iteration by iteration.
+
+    `force` names stage instances to recompute even if DVC finds them up to date (rerun);
+    every other stage is run, restored from the run-cache, or skipped as DVC decides.
+    """
+    forced = set(force or [])
     root = Path(workspace)
     logging.getLogger("dvc").setLevel(logging.WARNING)    # our [run]/[ran] lines say it
     summaries = []
     stages = dag.ordered_stages(root)
+    final = max(s.iteration for s in stages)
     for iteration, group in groupby(stages, key=lambda s: s.iteration):
-        runs = [run_stage(workspace, s.name) for s in group]
-        summary = record_iteration(workspace, iteration, runs)
+        runs = [run_stage(workspace, s.name, force=s.name in forced) for s in group]
+        summary = record_iteration(workspace, iteration, runs, last=iteration == final)
         if any(r.outcome != "cached" for r in runs) or summary["recorded"] == "now":
             summary["pushed"] = push_data(workspace)
         summaries.append(summary)

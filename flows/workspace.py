@@ -86,6 +86,12 @@ def git(root: Path, *args: str, check: bool = True) -> str:
     return out.stdout.strip()
 
 
+def git_bytes(root: Path, *args: str) -> bytes | None:
+    """Raw stdout of a git command (e.g. `show COMMIT:PATH`), or None when it fails."""
+    out = subprocess.run(["git", *args], cwd=root, capture_output=True)
+    return out.stdout if out.returncode == 0 else None
+
+
 def _sync_file(src: Path, dst: Path) -> bool:
     data = src.read_bytes()
     if dst.is_file() and dst.read_bytes() == data:
@@ -141,6 +147,9 @@ def init(root: Path) -> bool:
         created = True
     ws.dvc_remote.mkdir(parents=True, exist_ok=True)
     (root / layout.IMPORT_DIR).mkdir(parents=True, exist_ok=True)
+    labels = root / layout.AUDIT_LABELS          # the people's audited labels (git-tracked)
+    if not labels.exists():
+        atomic.write_text(labels, "")
     readme = root / layout.IMPORT_DIR / "README.txt"
     if not readme.exists():
         atomic.write_text(readme, "Put your own preference pairs here (JSONL or a saved HF "

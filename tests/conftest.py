@@ -31,10 +31,12 @@ def isolated_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(*args: str, check: bool = True, timeout: float = 600,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `alignloop ARGS` in a fresh interpreter, as a user would."""
     proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"alignloop {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
@@ -65,6 +67,41 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
                            text=True).stdout.strip()
     return {"ws": ws, "first": first, "second": second, "before": before,
             "after": snapshot(ws), "head": head, "head2": head2}
+
+
+def copy_workspace(src: Path, dst: Path) -> Path:
+    """A full copy (git, DVC cache, MLflow store); it shares the original's DVC remote."""
+    import shutil
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def ran_stages(stdout: str) -> list[str]:
+    """Stage instances a run recomputed or restored, from its progress lines."""
+    return [line.split()[1] for line in stdout.splitlines()
+            if line.startswith(("[ran] ", "[restored] "))]
+
+
+def set_params(path: Path, **edits: object) -> None:
+    """Set dotted keys (given with `__` for `.`) in a params file; the result must still load."""
+    import yaml
+
+    from tasks.params import load_params
+    data = yaml.safe_load(path.read_text())
+    for dotted, value in edits.items():
+        *parents, last = dotted.split("__")
+        node = data
+        for key in parents:
+            node = node[key]
+        assert last in node, f"{dotted} is not a key of {path.name}"
+        node[last] = value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    load_params(path)
+
+
+def run_stage(main: object, root: Path, it: int = 0) -> None:
+    """Call a stage edge's main() on a workspace root, as its dvc.yaml cmd would."""
+    main(["--root", str(root), "--it", str(it)])  # type: ignore[operator]
 
 
 def read_json(path: Path) -> object:

@@ -101,10 +101,9 @@ def instances() -> list[tuple[str, str | None]]:
 
 def test_expected_stages_declared() -> None:
     assert list(STAGES) == ["prompts", "prepare_model", "collect_offpolicy", "reference_samples",
-                            "rollout", "judge",
-                            "train_rm", "update", "evaluate"]
+                            "rollout", "judge", "train_rm", "update", "evaluate", "gate"]
     assert [n for n in STAGES if is_loop(n)] == ["rollout", "judge", "train_rm", "update",
-                                                 "evaluate"]
+                                                 "evaluate", "gate"]
     assert all(STAGES[n]["foreach"] == "${iterations}" for n in STAGES if is_loop(n))
 
 
@@ -159,9 +158,11 @@ def expected_outputs(name: str, it: int) -> tuple[list[str], list[str]]:
         "reference_samples": ([layout.REFERENCE_SAMPLES], []),
         "rollout": ([layout.rollouts(it)], [layout.metrics(it, "rollout")]),
         "judge": ([layout.pairs(it), layout.pairs_pool(it)], [layout.metrics(it, "judge")]),
-        "train_rm": ([layout.reward_model(it)], [layout.metrics(it, "train_rm")]),
+        "train_rm": ([layout.reward_model(it), layout.audit_queue(it)],
+                     [layout.metrics(it, "train_rm")]),
         "update": ([layout.policy(it)], [layout.metrics(it, "update")]),
         "evaluate": ([layout.eval_samples(it)], [layout.metrics(it, "evaluate")]),
+        "gate": ([layout.gate(it)], []),
     }[name]
 
 
@@ -185,7 +186,7 @@ def test_metrics_are_not_cached() -> None:
 
 
 def test_every_artifact_dep_is_produced_earlier_or_is_an_input() -> None:
-    inputs = {layout.IMPORT_DIR, render(TINY["prompts"]["subjects_file"], TINY),
+    inputs = {layout.IMPORT_DIR, layout.AUDIT_LABELS, render(TINY["prompts"]["subjects_file"], TINY),
               render(TINY["prompts"]["templates_file"], TINY)}
     produced: set[str] = set()
     for name, key in instances():

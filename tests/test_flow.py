@@ -21,7 +21,7 @@ def _lock(ws: Path) -> dict:
 def test_every_stage_output_exists_with_its_md5_in_dvc_lock(tiny_run):
     ws, lock = tiny_run["ws"], _lock(tiny_run["ws"])
     expected = {"prompts", "prepare_model", "collect_offpolicy", "reference_samples"} | {
-        f"{s}@{i}" for s in ("rollout", "judge", "train_rm", "update", "evaluate")
+        f"{s}@{i}" for s in ("rollout", "judge", "train_rm", "update", "evaluate", "gate")
         for i in ITERATIONS}
     assert set(lock) == expected
     for name, entry in lock.items():
@@ -44,7 +44,7 @@ def test_progress_output_names_each_stage(tiny_run):
 def test_second_run_is_fully_cached_and_changes_nothing(tiny_run):
     out = tiny_run["second"].stdout
     assert "[ran]" not in out and "[restored]" not in out
-    assert out.count("[cached]") == 14
+    assert out.count("[cached]") == 16
     assert tiny_run["head2"] == tiny_run["head"]
     assert tiny_run["after"] == tiny_run["before"]
 
@@ -52,7 +52,7 @@ def test_second_run_is_fully_cached_and_changes_nothing(tiny_run):
 def test_status_reports_every_stage_up_to_date(tiny_run):
     proc = run_cli("status", "--workspace", str(tiny_run["ws"]), "--json")
     states = json.loads(proc.stdout)
-    assert len(states) == 14
+    assert len(states) == 16
     assert {s["state"] for s in states} == {"up-to-date"}
 
 
@@ -70,8 +70,10 @@ def test_one_git_commit_per_iteration(tiny_run):
     ws = tiny_run["ws"]
     log = subprocess.run(["git", "log", "--format=%s"], cwd=ws, capture_output=True,
                          text=True).stdout.splitlines()
-    assert log[:3] == ["alignloop: iteration 2", "alignloop: iteration 1",
-                       "alignloop: iteration 0"]
+    iterations = [m for m in log if m.startswith("alignloop: iteration")]
+    assert iterations == ["alignloop: iteration 2", "alignloop: iteration 1",
+                          "alignloop: iteration 0"]
+    assert "alignloop: champion -> v2 (gate: gate passed at iteration 2)" in log
     assert not subprocess.run(["git", "status", "--porcelain"], cwd=ws, capture_output=True,
                               text=True).stdout.strip()
 

@@ -1,0 +1,142 @@
+"""Lineage of a registered model version, back to the data bytes, and proof it is recoverable.
+
+The tree comes from the registry (version tags: git commit, DVC stage, parent policy, reward
+model, judge, Prefect flow run, MLflow run) joined with `dvc.lock` *at that git commit* (every
+stage's deps and outs with md5, size, file count, and the params values it read), recursing
+through the stages that produced each input until the initial model and the first data.
+`verify` re-hashes every artifact in the tree from the DVC cache and the remote.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from mlflow.tracking import MlflowClient
+
+from flows.workspace import git
+
+URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
+
+
+class LineageError(RuntimeError):
+    """A model URI that does not resolve, or a workspace that lacks the recorded commit."""
+
+
+def resolve(client: MlflowClient, uri: str) -> Any:
+    m = URI.match(uri)
+    if not m:
+        raise LineageError(f"{uri}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+    if m["alias"]:
+        return client.get_model_version_by_alias(m["name"], m["alias"])
+    return client.get_model_version(m["name"], m["version"])
+
+
+def _at_commit(root: Path, commit: str, path: str) -> str:
+    try:
+        return git(root, "show", f"{commit}:{path}")
+    except RuntimeError as e:
+        raise LineageError(f"{root}: cannot read {path} at commit {commit[:10]}: {e}") from None
+
+
+def _object(root: Path, md5: str) -> Path:
+    return root / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
+
+
+def _rows(root: Path, path: str, md5: str) -> int | None:
+    obj = _object(root, md5)
+    if not path.endswith(".jsonl") or not obj.is_file():
+        return None
+    with obj.open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _artifact(root: Path, item: dict[str, Any]) -> dict[str, Any]:
+    out = {"path": item["path"], "md5": item.get("md5"), "size": item.get("size")}
+    if "nfiles" in item:
+        out["nfiles"] = item["nfiles"]
+    rows = _rows(root, item["path"], item.get("md5", "")) if item.get("md5") else None
+    if rows is not None:
+        out["rows"] = rows
+    return out
+
+
+def stage_tree(root: Path, lock: dict[str, Any], name: str, seen: set[str]) -> dict[str, Any]:
+    """A stage with its params, outs and inputs; each input names the stage that produced it."""
+    entry = lock[name]
+    producers = {o["path"]: s for s, e in lock.items() for o in e.get("outs", [])}
+    params = entry.get("params", {}).get("params.yaml", {})
+    node: dict[str, Any] = {
+        "stage": name, "cmd": entry.get("cmd"), "params": params,
+        "params_md5": hashlib.md5(json.dumps(params, sort_keys=True, default=str).encode())
+        .hexdigest(),
+        "outs": [_artifact(root, o) for o in entry.get("outs", [])],
+        "code": [{"path": d["path"], "md5": d.get("md5")} for d in entry.get("deps", [])
+                 if d["path"].startswith("tasks/")],
+        "inputs": [],
+    }
+    seen.add(name)
+    for dep in entry.get("deps", []):
+        if dep["path"].startswith("tasks/"):
+            continue
+        item = _artifact(root, dep)
+        producer = producers.get(dep["path"])
+        if producer is None:
+            item["produced_by"] = "source (tracked in git)"
+        elif producer in seen:
+            item["produced_by"] = {"stage": producer, "see": "above"}
+        else:
+            item["produced_by"] = stage_tree(root, lock, producer, seen)
+        node["inputs"].append(item)
+    return node
+
+
+def model_lineage(root: Path, client: MlflowClient, mv: Any, depth: int = 0) -> dict[str, Any]:
+    tags = dict(mv.tags)
+    commit = tags.get("git_commit")
+    if not commit:
+        raise LineageError(f"{mv.name} v{mv.version}: no git_commit tag (not an alignloop model)")
+    lock = yaml.safe_load(_at_commit(root, commit, "dvc.lock"))["stages"]
+    node: dict[str, Any] = {
+        "model": mv.name, "version": str(mv.version), "aliases": list(mv.aliases or []),
+        "source": mv.source, "model_md5": tags.get("model_md5"), "git_commit": commit,
+        "dvc_stage": tags.get("dvc_stage"), "iteration": tags.get("iteration"),
+        "judge": tags.get("judge"), "algo": tags.get("algo"),
+        "prefect_flow_run_id": tags.get("prefect_flow_run_id"), "mlflow_run_id": mv.run_id,
+        "alias_history": {k: v for k, v in tags.items() if k.startswith("alias.")},
+        "produced_by": stage_tree(root, lock, tags["dvc_stage"], set()),
+    }
+    rm_version = tags.get("reward_model_version")
+    if rm_version:
+        rm = client.get_model_version("alignloop-reward-model", rm_version)
+        node["reward_model"] = {"model": rm.name, "version": str(rm.version),
+                                "model_md5": rm.tags.get("model_md5"),
+                                "dvc_stage": rm.tags.get("dvc_stage"), "mlflow_run_id": rm.run_id}
+    parent = tags.get("parent_policy_version")
+    if parent and parent not in ("initial", "unknown"):
+        node["parent_policy"] = model_lineage(root, client, client.get_model_version(
+            mv.name, parent), depth + 1)
+    else:
+        node["parent_policy"] = parent
+    return node
+
+
+def iter_artifacts(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every out in the tree (each stage's outputs, recursively), once per (path, md5)."""
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def walk(n: Any) -> None:
+        if isinstance(n, dict):
+            if "stage" in n and "outs" in n:
+                for o in n["outs"]:
+                    found[(o["path"], o["md5"])] = o
+            for v in n.values():
+                walk(v)
+        elif isinstance(n, list):
+            for v in n:
+                walk(v)
+    walk(node)
+    return list(found.values())

@@ -1,0 +1,52 @@
+"""The promotion gate's decision: every check named, with its value and threshold."""
+from __future__ import annotations
+
+from tasks.gate import decide
+from tasks.params import GateParams
+
+GOOD = {"eval/win_rate": 0.8, "eval/win_rate_ci_low": 0.6, "eval/kl": 3.0}
+P = GateParams(min_win_rate=0.7, min_win_rate_ci_low=0.5, max_kl=5.0)
+
+
+def test_passes_when_every_check_holds():
+    d = decide(GOOD, P)
+    assert d["passed"] and d["reasons"] == []
+    assert all(c["ok"] for c in d["checks"].values())
+
+
+def test_each_failing_check_is_a_reason():
+    d = decide({**GOOD, "eval/win_rate": 0.65, "eval/kl": 9.0}, P)
+    assert not d["passed"]
+    assert len(d["reasons"]) == 2
+    assert any("eval/win_rate = 0.65" in r for r in d["reasons"])
+    assert any("eval/kl = 9.0" in r for r in d["reasons"])
+
+
+def test_missing_or_nan_metric_fails():
+    assert not decide({k: v for k, v in GOOD.items() if k != "eval/kl"}, P)["passed"]
+    assert not decide({**GOOD, "eval/win_rate": float("nan")}, P)["passed"]
+
+
+def test_hacking_flag_blocks_unless_disabled():
+    flagged = {**GOOD, "eval/hacking_flag": 1.0}
+    assert not decide(flagged, P)["passed"]
+    assert decide(flagged, GateParams(0.7, 0.5, 5.0, block_on_hacking_flag=False))["passed"]
+
+
+def test_hacking_monitors_flag_length_drift_and_rm_disagreement():
+    from tasks.evaluate import hacking_flags
+    from tasks.params import MonitorParams
+    p = MonitorParams(max_length_drift=0.3, max_rm_disagreement_ratio=2.0)
+    calm = hacking_flags({"eval/length_ratio": 1.2, "eval/rm_disagreement": 0.1,
+                          "eval/rm_disagreement_ref": 0.08}, p)
+    assert calm["eval/hacking_flag"] == 0.0 and abs(calm["eval/length_drift"] - 0.2) < 1e-12
+    long = hacking_flags({"eval/length_ratio": 1.5, "eval/rm_disagreement": 0.1,
+                          "eval/rm_disagreement_ref": 0.08}, p)
+    assert long["eval/flag_length_drift"] == 1.0 and long["eval/hacking_flag"] == 1.0
+    drift = hacking_flags({"eval/length_ratio": 1.0, "eval/rm_disagreement": 0.3,
+                           "eval/rm_disagreement_ref": 0.1}, p)
+    assert drift["eval/flag_rm_disagreement"] == 1.0
+    assert abs(drift["eval/rm_disagreement_ratio"] - 3.0) < 1e-9
+    single = hacking_flags({"eval/length_ratio": 1.0, "eval/rm_disagreement": 0.0,
+                            "eval/rm_disagreement_ref": 0.0}, p)   # one RM: no spread to judge
+    assert single["eval/hacking_flag"] == 0.0
