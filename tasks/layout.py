@@ -11,6 +11,8 @@ REFERENCE_SAMPLES = "data/reference/heldout_samples.jsonl"   # the reference on 
 IMPORT_DIR = "data/import"
 OFFPOLICY_METRICS = "metrics/offpolicy.json"
 MODEL_META = "alignloop_model.json"      # written inside every saved model directory
+RM_MEMBER_PREFIX = "member_"            # ensemble K > 1: models/iter_k/rm/member_0, member_1, ...
+AUDIT_LABELS = "audit/labels.jsonl"      # the person's audit verdicts; git-tracked, never an out
 
 
 def policy(it: int) -> str:
@@ -20,6 +22,11 @@ def policy(it: int) -> str:
 
 def reward_model(it: int) -> str:
     return f"models/iter_{it}/rm"
+
+
+def audit_queue(it: int) -> str:
+    """Pairs exported for a person to audit after train_rm@it (replaced on every rerun)."""
+    return f"audit/iter_{it}/queue.jsonl"
 
 
 def pairs_pool(it: int) -> str:
@@ -41,3 +48,13 @@ def eval_samples(it: int) -> str:
 
 def metrics(it: int, stage: str) -> str:
     return f"metrics/iter_{it}/{stage}.json"
+
+
+def gate(it: int) -> str:
+    """The promotion decision of iteration `it` (git-tracked, like the metrics)."""
+    return f"metrics/iter_{it}/gate_decision.json"
+
+
+def iteration_dirs(it: int) -> list[str]:
+    """Every directory that holds only iteration `it`'s artifacts."""
+    return [f"data/iter_{it}", f"models/iter_{it}", f"metrics/iter_{it}"]

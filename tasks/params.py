@@ -95,15 +95,32 @@ class TrainRMParams:
     heldout_fraction: float = 0.2
     max_length: int = 96
     weight_decay: float = 0.0
+    margin: float = 0.0             # Bradley-Terry margin m: -log sigma(r_c - r_r - m)
+    ensemble: int = 1               # K members, differing by seed (head init, data order)
+    audit_top_n: int = 8            # audit queue: new pairs the members disagree on most
+    audit_random_n: int = 8         # audit queue: plus a seeded random sample of judge labels
 
 
 @dataclass(frozen=True)
 class DPOParams:
-    loss: Literal["sigmoid"] = "sigmoid"
+    loss: Literal["sigmoid", "ipo", "cdpo"] = "sigmoid"
     beta: float = 0.1
     lr: float = 1e-4
     epochs: int = 1
     batch_size: int = 8
+    label_smoothing: float = 0.0    # cdpo only: assumed label-flip rate eps, in [0, 0.5)
+    pair_source: Literal["judge", "rm"] = "judge"   # who picks best vs worst of the K rollouts
+    offpolicy_mix: float = 0.0      # fraction of training pairs drawn from the previous pool
+    offpolicy_weight: float = 1.0   # loss weight of those off-policy pairs
+
+
+@dataclass(frozen=True)
+class ReuseParams:
+    """Off-policy reuse of earlier iterations' rollouts, reweighted by truncated pi/mu."""
+    iterations_back: int = 0        # 0: on-policy only; 1: also the previous iteration's rollouts
+    truncate: tuple[float, ...] = (0.0, 2.0)   # [lo, hi] the importance weights are clipped to
+    level: Literal["token", "sequence"] = "sequence"   # per-token ratios or one per response
+    max_staleness: int = 1          # drop reused samples drawn more iterations ago than this
 
 
 @dataclass(frozen=True)
@@ -113,6 +130,19 @@ class PPOParams:
     kl_coef: float = 0.05
     epochs: int = 2
     minibatch_size: int = 8
+    gamma: float = 1.0              # GAE discount over response tokens
+    lam: float = 0.95               # GAE lambda
+    value_lr: float = 1e-3          # AdamW learning rate of the value head
+    value_clip: float = 0.2         # value clipping range around the rollout-time values
+    whiten_advantages: bool = True  # normalise advantages over the batch
+    target_kl: float = 0.0          # stop the epochs once approx KL(pi_old || pi) exceeds it; 0 = off
+    kl_mode: Literal["reward", "loss"] = "reward"   # KL to the reference: in the reward or the loss
+    kl_estimator: Literal["k1", "k3"] = "k1"        # the per-token KL estimator used for it
+    no_eos: Literal["penalty", "drop", "keep"] = "keep"   # responses truncated without EOS
+    no_eos_penalty: float = 1.0     # penalty only: subtracted from their normalised score
+    reward_clip: float = 0.0        # clip normalised scores to [-c, c]; 0 = off
+    value_reuse: bool = True        # start the value head from the previous iteration's
+    reuse: ReuseParams = field(default_factory=ReuseParams)
 
 
 @dataclass(frozen=True)
@@ -125,10 +155,25 @@ class UpdateParams:
 
 
 @dataclass(frozen=True)
+class MonitorParams:
+    max_length_drift: float = 0.3          # |length_ratio - 1| above this flags the iteration
+    max_rm_disagreement_ratio: float = 2.0  # policy vs reference RM-ensemble spread, at most
+
+
+@dataclass(frozen=True)
 class EvaluateParams:
     n_prompts: int = 16
     bootstrap: int = 1000
     generation: GenerationParams = field(default_factory=GenerationParams)
+    monitors: MonitorParams = field(default_factory=MonitorParams)
+
+
+@dataclass(frozen=True)
+class GateParams:
+    min_win_rate: float = 0.5
+    min_win_rate_ci_low: float = 0.0
+    max_kl: float = 1e9
+    block_on_hacking_flag: bool = True
 
 
 @dataclass(frozen=True)
@@ -143,6 +188,7 @@ class Params:
     train_rm: TrainRMParams = field(default_factory=TrainRMParams)
     update: UpdateParams = field(default_factory=UpdateParams)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
+    gate: GateParams = field(default_factory=GateParams)
 
 
 def _line_index(node: yaml.Node, path: tuple[str, ...], out: dict[tuple[str, ...], int]) -> None:
@@ -298,8 +344,48 @@ def _check_ranges(p: Params, b: _Builder) -> None:
         b.fail(("rollout", "samples_per_prompt"), "need at least 2 samples to form a pair")
     if not 0.0 < p.train_rm.heldout_fraction < 1.0:
         b.fail(("train_rm", "heldout_fraction"), "must be in (0, 1)")
+    _check_dpo_and_rm(p, b)
+    _check_ppo(p, b)
     if p.model.source == "hf_dir" and not p.model.path:
         b.fail(("model", "path"), "model.source is hf_dir but model.path is empty")
+
+
+def _check_dpo_and_rm(p: Params, b: _Builder) -> None:
+    d, rm = p.update.dpo, p.train_rm
+    if not 0.0 <= d.label_smoothing < 0.5:
+        b.fail(("update", "dpo", "label_smoothing"), "must be in [0, 0.5)")
+    if d.label_smoothing > 0 and d.loss != "cdpo":
+        b.fail(("update", "dpo", "label_smoothing"), f"only used by loss: cdpo, not {d.loss}")
+    if not 0.0 <= d.offpolicy_mix < 1.0:
+        b.fail(("update", "dpo", "offpolicy_mix"), "must be in [0, 1)")
+    if d.offpolicy_weight < 0:
+        b.fail(("update", "dpo", "offpolicy_weight"), "must be >= 0")
+    if rm.margin < 0:
+        b.fail(("train_rm", "margin"), "must be >= 0")
+    if rm.ensemble < 1:
+        b.fail(("train_rm", "ensemble"), "must be >= 1")
+    for key in ("audit_top_n", "audit_random_n"):
+        if getattr(rm, key) < 0:
+            b.fail(("train_rm", key), "must be >= 0")
+
+
+def _check_ppo(p: Params, b: _Builder) -> None:
+    q, path = p.update.ppo, ("update", "ppo")
+    for key in ("gamma", "lam"):
+        if not 0.0 <= getattr(q, key) <= 1.0:
+            b.fail(path + (key,), "must be in [0, 1]")
+    for key in ("value_clip", "target_kl", "no_eos_penalty", "reward_clip"):
+        if getattr(q, key) < 0:
+            b.fail(path + (key,), "must be >= 0")
+    r = q.reuse
+    if r.iterations_back not in (0, 1):
+        b.fail(path + ("reuse", "iterations_back"), "must be 0 or 1 (DVC foreach names only "
+               "the previous iteration)")
+    if len(r.truncate) != 2 or not 0.0 <= r.truncate[0] <= 1.0 <= r.truncate[1]:
+        b.fail(path + ("reuse", "truncate"), f"must be [lo, hi] with 0 <= lo <= 1 <= hi, "
+               f"got {list(r.truncate)}")
+    if r.max_staleness < 1:
+        b.fail(path + ("reuse", "max_staleness"), "must be >= 1")
 
 
 def iteration_numbers(p: Params) -> list[int]:
