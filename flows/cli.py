@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,7 +69,6 @@ def _run_flow(ws: wsmod.Workspace, force: list[str]) -> int:
 def _quiet_prefect() -> None:
     """Prefect's ephemeral server prints CancelledError tracebacks on shutdown: harmless,
     and confusing to users, so those loggers are quieted."""
-    import os
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     for name in ("uvicorn", "uvicorn.error", "prefect.server", "asyncio", "httpx", "mlflow",
@@ -198,8 +198,6 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 def _api_url(ws: wsmod.Workspace) -> str:
     """The team's PREFECT_API_URL if set, else this workspace's own standalone server."""
-    import os
-
     from flows import server
     url = os.environ.get("PREFECT_API_URL")
     if not url:

@@ -8,8 +8,6 @@ through the stages that produced each input until the initial model and the firs
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,10 @@ from typing import Any
 import yaml
 from mlflow.tracking import MlflowClient
 
+from flows.registry import params_md5
+from flows.verify import CACHE, object_path
 from flows.workspace import git
+from tasks import layout
 
 URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 
@@ -42,12 +43,8 @@ def _at_commit(root: Path, commit: str, path: str) -> str:
         raise LineageError(f"{root}: cannot read {path} at commit {commit[:10]}: {e}") from None
 
 
-def _object(root: Path, md5: str) -> Path:
-    return root / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
-
-
 def _rows(root: Path, path: str, md5: str) -> int | None:
-    obj = _object(root, md5)
+    obj = object_path(root / CACHE, md5)
     if not path.endswith(".jsonl") or not obj.is_file():
         return None
     with obj.open("rb") as f:
@@ -68,11 +65,10 @@ def stage_tree(root: Path, lock: dict[str, Any], name: str, seen: set[str]) -> d
     """A stage with its params, outs and inputs; each input names the stage that produced it."""
     entry = lock[name]
     producers = {o["path"]: s for s, e in lock.items() for o in e.get("outs", [])}
-    params = entry.get("params", {}).get("params.yaml", {})
     node: dict[str, Any] = {
-        "stage": name, "cmd": entry.get("cmd"), "params": params,
-        "params_md5": hashlib.md5(json.dumps(params, sort_keys=True, default=str).encode())
-        .hexdigest(),
+        "stage": name, "cmd": entry.get("cmd"),
+        "params": entry.get("params", {}).get(layout.PARAMS_FILE, {}),
+        "params_md5": params_md5(entry),
         "outs": [_artifact(root, o) for o in entry.get("outs", [])],
         "code": [{"path": d["path"], "md5": d.get("md5")} for d in entry.get("deps", [])
                  if d["path"].startswith("tasks/")],

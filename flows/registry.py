@@ -33,6 +33,12 @@ def fingerprint(lock: dict[str, Any], names: Sequence[str]) -> str:
     return hashlib.md5(blob.encode()).hexdigest()
 
 
+def params_md5(entry: dict[str, Any]) -> str:
+    """md5 of the params values a stage read (its dvc.lock entry), as tags and lineage show it."""
+    values = entry.get("params", {}).get(layout.PARAMS_FILE, {})
+    return hashlib.md5(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
@@ -120,8 +126,7 @@ def register(client: MlflowClient, name: str, root: Path, stage: str, lock: dict
             "iteration": str(parse_name(stage).iteration), **extra_tags}
     tags.update({f"input:{p}": m for p, m in _entry_io(entry, "deps").items()
                  if not p.startswith("tasks/")})
-    tags["params_md5"] = hashlib.md5(json.dumps(entry.get("params", {}), sort_keys=True,
-                                                default=str).encode()).hexdigest()
+    tags["params_md5"] = params_md5(entry)
     return client.create_model_version(name, source=str(root / out_path), run_id=run_id,
                                        tags=tags, description=f"{stage} at {extra_tags['git_commit']}")
 

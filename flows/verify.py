@@ -23,8 +23,16 @@ def _md5_file(path: Path) -> str:
     return h.hexdigest()
 
 
+CACHE = Path(".dvc") / "cache" / "files" / "md5"     # DVC 3's object store, also remotes'
+
+
+def object_path(base: Path, md5: str) -> Path:
+    """Where an object with this md5 lives in a DVC store rooted at `base`."""
+    return base / md5[:2] / md5[2:]
+
+
 def _stores(root: Path) -> dict[str, Path]:
-    stores = {"cache": root / ".dvc" / "cache" / "files" / "md5"}
+    stores = {"cache": root / CACHE}
     with Repo(str(root)) as repo:
         conf = repo.config
         name = conf["core"].get("remote")
@@ -33,10 +41,6 @@ def _stores(root: Path) -> dict[str, Path]:
         remote = Path(url) if Path(url).is_absolute() else (root / ".dvc" / url).resolve()
         stores["remote"] = remote / "files" / "md5"
     return stores
-
-
-def _obj(base: Path, md5: str) -> Path:
-    return base / md5[:2] / md5[2:]
 
 
 def _load_weights(path: Path) -> str | None:
@@ -52,7 +56,7 @@ def _load_weights(path: Path) -> str | None:
 
 
 def _check_object(base: Path, md5: str, relname: str) -> str | None:
-    obj = _obj(base, md5)
+    obj = object_path(base, md5)
     if not obj.is_file():
         return "missing"
     if _md5_file(obj) != md5:
@@ -67,7 +71,7 @@ def _check_copy(base: Path, artifact: dict[str, Any]) -> list[str]:
     if not md5.endswith(".dir"):
         why = _check_object(base, md5, path)
         return [why] if why else []
-    manifest = _obj(base, md5)
+    manifest = object_path(base, md5)
     if not manifest.is_file():
         return ["missing"]
     if _md5_file(manifest) != md5.removesuffix(".dir"):

@@ -110,6 +110,8 @@ def test_policies_registered_with_lineage_tags(tiny_run):
         for dep in entry["deps"]:
             if not dep["path"].startswith("tasks/"):
                 assert tags[f"input:{dep['path']}"] == dep["md5"]
+        from flows.lineage import stage_tree
+        assert tags["params_md5"] == stage_tree(ws, lock, f"update@{it}", set())["params_md5"]
         assert tags["judge"] == "lexicon:vader-v1"
         assert tags["prefect_flow_run_id"]
         assert tags["parent_policy_version"] == ("initial" if it == 1 else "1")

@@ -317,32 +317,25 @@ def run_failing(main: Callable[[list[str] | None], None], root: Path,
     return err
 
 
-def test_import_of_malformed_pairs_exits_2_and_keeps_the_pool(
-        ws: Workspace, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("text, expected", [
+    ('{"prompt": "Review Jaws.", "chosen": "Great.", "rejected": "Bad."}\n'
+     '{"prompt": "Review Heat.", "chosen": "Great."\n', ":2: invalid JSON"),
+    ('{"prompt": "Review Jaws.", "chosen": "Great.", "rejected": "Bad."}\n\n'
+     '{"prompt": "Review Heat.", "rejected": "Bad."}\n', ":3: missing field 'chosen'"),
+], ids=["invalid-json", "missing-field"])
+def test_malformed_import_exits_2_names_file_line_and_keeps_the_pool(
+        ws: Workspace, tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
+        expected: str) -> None:
     bad = copy_workspace(ws, tmp_path / "ws_import")
     set_params(bad, offpolicy__source="import")
     path = bad.root.resolve() / "data" / "import" / "pairs.jsonl"
-    path.write_text('{"prompt": "Review Jaws.", "chosen": "Great.", "rejected": "Bad."}\n'
-                    '{"prompt": "Review Heat.", "chosen": "Great."\n')
+    path.write_text(text)
     before = tree_digest(bad.path("data/iter_0"))
     metrics_before = bad.path(layout.OFFPOLICY_METRICS).read_bytes()
     err = run_failing(collect_offpolicy.main, bad.root, capsys)
-    assert f"{path}:2: invalid JSON" in err
+    assert f"{path}{expected}" in err
     assert tree_digest(bad.path("data/iter_0")) == before      # byte-identical, no temp files
     assert bad.path(layout.OFFPOLICY_METRICS).read_bytes() == metrics_before
-
-
-def test_import_of_a_missing_field_names_line_and_field(
-        ws: Workspace, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    bad = copy_workspace(ws, tmp_path / "ws_import")
-    set_params(bad, offpolicy__source="import")
-    path = bad.root.resolve() / "data" / "import" / "pairs.jsonl"
-    path.write_text('{"prompt": "Review Jaws.", "chosen": "Great.", "rejected": "Bad."}\n\n'
-                    '{"prompt": "Review Heat.", "rejected": "Bad."}\n')
-    before = bad.path(layout.pairs_pool(0)).read_bytes()
-    err = run_failing(collect_offpolicy.main, bad.root, capsys)
-    assert f"{path}:3: missing field 'chosen'" in err
-    assert bad.path(layout.pairs_pool(0)).read_bytes() == before
 
 
 def test_import_of_good_pairs_replaces_the_pool(ws: Workspace, tmp_path: Path) -> None:
