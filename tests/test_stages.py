@@ -302,6 +302,40 @@ def test_evaluate_metrics(ws: Workspace) -> None:
     samples = ws.records(layout.eval_samples(1))
     assert m["eval/n"] == len(samples) == n
     assert {s["judge_verdict"] for s in samples} <= {"A", "B", "tie", "invalid"}
+    # the gold evaluator, on the same pairs
+    for key in ("eval/gold_win_rate", "eval/gold_win_rate_ci_low", "eval/gold_win_rate_ci_high",
+                "eval/on_topic_rate", "eval/ref_on_topic_rate", "eval/fluency_nll",
+                "eval/ref_fluency_nll", "eval/judge_gold_gap"):
+        assert key in m and math.isfinite(m[key]), key
+    assert {s["gold_verdict"] for s in samples} <= {"A", "B", "tie"}
+    wins = sum(s["gold_verdict"] == "A" for s in samples) + 0.5 * sum(
+        s["gold_verdict"] == "tie" for s in samples)
+    assert m["eval/gold_win_rate"] == pytest.approx(wins / n)
+    assert m["eval/on_topic_rate"] == pytest.approx(
+        sum(s["on_topic_policy"] for s in samples) / n)
+    assert m["eval/judge_gold_gap"] == pytest.approx(m["eval/win_rate"] - m["eval/gold_win_rate"])
+
+
+def test_best_of_n_baseline(ws: Workspace) -> None:
+    """The reference's N candidates per prompt, reranked by the RM, against its single sample;
+    the RM's pick is the argmax of its own scores, and the KL is the analytic log N - (N-1)/N."""
+    from tasks.evaluate import best_of_n, read_samples
+    from tasks.reward_model import load_reward_model, reward_mean_std
+    p = load_params(ws.path(layout.PARAMS_FILE)).evaluate.best_of_n
+    m = ws.metrics(layout.metrics(1, "evaluate"))
+    assert m["eval/bon_n"] == p.n and m["eval/bon_n_prompts"] == p.n_prompts
+    assert m["eval/bon_kl"] == pytest.approx(math.log(p.n) - (p.n - 1) / p.n)
+    assert 0.0 <= m["eval/bon_win_rate"] <= 1.0 and 0.0 <= m["eval/bon_gold_win_rate"] <= 1.0
+    cands = read_samples(str(ws.path(layout.BEST_OF_N_SAMPLES)))
+    assert len(cands) == p.n * p.n_prompts
+    rm = load_reward_model(ws.path(layout.reward_model(1)))
+    pad = lm.load_tokenizer(ws.path(layout.policy(0))).pad_token_id
+    picked = best_of_n(rm, cands, p.n, pad)
+    r = reward_mean_std(rm, [c.prompt_ids for c in cands], [c.response_ids for c in cands],
+                        pad)[0].view(-1, p.n)
+    for i, c in enumerate(picked):
+        group = cands[i * p.n: (i + 1) * p.n]
+        assert c in group and group.index(c) == int(r[i].argmax())
 
 
 # --- failure paths ----------------------------------------------------------------------------
