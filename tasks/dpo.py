@@ -58,7 +58,8 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
     w = torch.ones(len(pairs)) if weights is None else weights                # (N,)
     mean_lp = p.loss in LENGTH_NORMALISED_LOSSES
     ref.eval()
-    ref_c, ref_r = reference_logprobs(ref, pairs, pad_id, p.batch_size, mean_lp)  # (N,), (N,)
+    with lm.autocast(p.precision):    # as the policy's: pi/ref is exactly 1 while pi = ref
+        ref_c, ref_r = reference_logprobs(ref, pairs, pad_id, p.batch_size, mean_lp)  # (N,)
     loss_fn = DPO_LOSSES[p.loss]
     opt = torch.optim.AdamW(policy.parameters(), lr=p.lr, weight_decay=0.0)
     losses, accs, margins = [], [], []
@@ -67,7 +68,9 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
         order = torch.randperm(len(pairs), generator=rng)
         for s in range(0, len(order), p.batch_size):
             idx = order[s: s + p.batch_size]
-            pi_c, pi_r = _pair_logprobs(policy, [pairs[i] for i in idx.tolist()], pad_id, mean_lp)
+            with lm.autocast(p.precision):
+                pi_c, pi_r = _pair_logprobs(policy, [pairs[i] for i in idx.tolist()], pad_id,
+                                            mean_lp)
             per_pair = loss_fn(pi_c, pi_r, ref_c[idx], ref_r[idx], p.beta, p.label_smoothing)
             loss = (w[idx] * per_pair).mean()
             opt.zero_grad()

@@ -76,6 +76,52 @@ class LexiconJudge:
         return verdict_from_scores(self._one(first), self._one(second), self.tie_margin)
 
 
+_STOPWORDS = frozenset("a an and at by for from in into is it of on or the to with".split())
+
+
+def title_words(prompt: Prompt) -> frozenset[str]:
+    """The subject's words in the last user message: capitalised words and numbers after the
+    message's first word ("Write a short review of Dr. Strangelove (1964)." -> dr, strangelove,
+    1964), lower-cased, punctuation stripped, stopwords dropped."""
+    user = [m for m in prompt if m.role == "user"]
+    words = user[-1].content.split()[1:] if user else []
+    out = set()
+    for w in words:
+        w = w.strip(".,;:!?()\"'")
+        if w and (w[0].isupper() or w.isdigit()) and w.lower() not in _STOPWORDS:
+            out.add(w.lower())
+    return frozenset(out)
+
+
+def mentions(prompt: Prompt, response: str) -> bool:
+    """The response names the subject: it contains one of its title words as a word."""
+    said = {w.strip(".,;:!?()\"'*").lower() for w in response.split()}
+    return bool(title_words(prompt) & said)
+
+
+@dataclass(frozen=True)
+class TopicLexiconJudge(LexiconJudge):
+    """VADER sentiment, minus `off_topic_penalty` when the response does not name the subject
+    (a title word from the prompt). A lexical check — deliberately not the gold evaluator's
+    embedding model — that closes the cheapest hack of the plain lexicon (gushing thank-you
+    notes about nothing)."""
+    off_topic_penalty: float = 1.0
+    kind: str = "lexicon_topic"
+
+    def _scored(self, prompt: Prompt, text: str) -> float | None:
+        s = self._one(text)
+        if s is None:
+            return None
+        return s if mentions(prompt, text) else s - self.off_topic_penalty
+
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float | None]:
+        return [self._scored(p, r) for p, r in zip(prompts, responses)]
+
+    def compare(self, prompt: Prompt, first: str, second: str) -> Verdict:
+        return verdict_from_scores(self._scored(prompt, first), self._scored(prompt, second),
+                                   self.tie_margin)
+
+
 def verdict_from_scores(a: float | None, b: float | None, tie_margin: float) -> Verdict:
     if a is None or b is None:
         return "invalid"
@@ -86,6 +132,8 @@ def verdict_from_scores(a: float | None, b: float | None, tie_margin: float) -> 
 
 JUDGES: dict[str, Callable[[JudgeParams], PointwiseJudge]] = {
     "lexicon": lambda p: LexiconJudge(p.tie_margin, p.min_words, p.version),
+    "lexicon_topic": lambda p: TopicLexiconJudge(p.tie_margin, p.min_words, p.version,
+                                                 off_topic_penalty=p.off_topic_penalty),
 }
 
 

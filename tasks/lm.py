@@ -1,6 +1,7 @@
 """Causal-LM plumbing shared by the stages: loading, chat rendering, batching, log-probs."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -64,6 +65,14 @@ def weights_md5(path: str | Path) -> str:
             for chunk in iter(lambda: fh.read(1 << 22), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def autocast(precision: str) -> contextlib.AbstractContextManager[object]:
+    """bf16: matmuls in bfloat16 under torch.autocast (weights, optimizer state, softmax and
+    losses stay fp32); fp32: no-op. AVX512-BF16 CPUs run bf16 matmuls ~2.2x faster."""
+    if precision == "bf16":
+        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def render_prompt(tok: transformers.PreTrainedTokenizerBase, prompt: Prompt,

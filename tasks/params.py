@@ -74,10 +74,11 @@ class OffpolicyParams:
 
 @dataclass(frozen=True)
 class JudgeParams:
-    kind: Literal["lexicon"] = "lexicon"
+    kind: Literal["lexicon", "lexicon_topic"] = "lexicon"
     version: str = "vader-v1"
     tie_margin: float = 0.05       # |score_a - score_b| below this is a tie
     min_words: int = 1             # responses with fewer words are judged invalid
+    off_topic_penalty: float = 1.0  # lexicon_topic: subtracted when no title word is mentioned
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class TrainRMParams:
     ensemble: int = 1               # K members, differing by seed (head init, data order)
     audit_top_n: int = 8            # audit queue: new pairs the members disagree on most
     audit_random_n: int = 8         # audit queue: plus a seeded random sample of judge labels
+    precision: Literal["fp32", "bf16"] = "fp32"   # bf16: autocast matmuls (training and scoring)
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class DPOParams:
     pair_source: Literal["judge", "rm"] = "judge"   # who picks best vs worst of the K rollouts
     offpolicy_mix: float = 0.0      # fraction of training pairs drawn from the previous pool
     offpolicy_weight: float = 1.0   # loss weight of those off-policy pairs
+    precision: Literal["fp32", "bf16"] = "fp32"   # bf16: autocast matmuls (policy and reference)
 
 
 @dataclass(frozen=True)

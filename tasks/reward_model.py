@@ -46,13 +46,16 @@ def init_reward_model(backbone_dir: Path, rng: torch.Generator | None = None
 
 
 class RewardEnsemble(torch.nn.Module):
-    """K reward models scored together; K = 1 is the plain single model."""
+    """K reward models scored together; K = 1 is the plain single model. `precision` is the
+    one it was trained in (train_rm.precision), which scoring uses too."""
 
-    def __init__(self, members: Sequence[transformers.PreTrainedModel]):
+    def __init__(self, members: Sequence[transformers.PreTrainedModel],
+                 precision: str = "fp32"):
         super().__init__()
         if not members:
             raise ValueError("an ensemble needs at least one member")
         self.members = torch.nn.ModuleList(members)
+        self.precision = precision
 
     def __len__(self) -> int:
         return len(self.members)
@@ -71,8 +74,11 @@ def member_dirs(path: Path) -> list[Path]:
 
 def load_reward_model(path: Path) -> RewardEnsemble:
     """Load a saved reward model, single or ensemble, in eval mode."""
+    stats = Path(path) / STATS_FILE
+    precision = json.loads(stats.read_text()).get("precision", "fp32") if stats.is_file() \
+        else "fp32"
     return RewardEnsemble([transformers.AutoModelForSequenceClassification.from_pretrained(
-        d, dtype=torch.float32).eval() for d in member_dirs(path)]).eval()
+        d, dtype=torch.float32).eval() for d in member_dirs(path)], precision).eval()
 
 
 def save_reward_model(members: Sequence[transformers.PreTrainedModel], path: Path) -> None:
@@ -91,14 +97,18 @@ def _single_rewards(model: transformers.PreTrainedModel, prompts: Sequence[Seque
     hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state     # (B, T, H)
     last = mask.sum(-1) - 1                                                     # (B,)
     h_last = hidden[torch.arange(ids.shape[0]), last]                           # (B, H)
-    return model.score(h_last).squeeze(-1)                                      # (B,)
+    r = model.score(h_last).squeeze(-1)                                         # (B,)
+    return r.float() if r.dtype == torch.bfloat16 else r         # autocast: back to fp32
 
 
 def member_rewards(model: RewardModel, prompts: Sequence[Sequence[int]],
                    responses: Sequence[Sequence[int]], pad_id: int) -> Tensor:
-    """r_k(x, y) of every member k, shape (K, B)."""
-    members = model.members if isinstance(model, RewardEnsemble) else [model]
-    return torch.stack([_single_rewards(m, prompts, responses, pad_id) for m in members])
+    """r_k(x, y) of every member k, shape (K, B); an ensemble scores in its `precision`."""
+    if not isinstance(model, RewardEnsemble):
+        return _single_rewards(model, prompts, responses, pad_id)[None]
+    with lm.autocast(model.precision):
+        return torch.stack([_single_rewards(m, prompts, responses, pad_id)
+                            for m in model.members])
 
 
 def rewards(model: RewardModel, prompts: Sequence[Sequence[int]],
@@ -112,7 +122,8 @@ def rewards(model: RewardModel, prompts: Sequence[Sequence[int]],
 def reward_mean_std(model: RewardModel, prompts: Sequence[Sequence[int]],
                     responses: Sequence[Sequence[int]], pad_id: int, batch_size: int = 32
                     ) -> tuple[Tensor, Tensor]:
-    """Ensemble mean and population std over members of r(x, y), each (B,); std = 0 at K = 1."""
+    """Ensemble mean and population std over members of r(x, y), each (B,); std = 0 at K = 1.
+    Scored in the precision the model was trained in (`model.precision`, default fp32)."""
     r = torch.cat([member_rewards(model, prompts[s: s + batch_size],
                                   responses[s: s + batch_size], pad_id)
                    for s in range(0, len(prompts), batch_size)], dim=1)        # (K, B)
@@ -190,7 +201,8 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
         order = torch.randperm(len(train), generator=rng).tolist()
         for s in range(0, len(order), p.batch_size):
             batch = [train[i] for i in order[s: s + p.batch_size]]
-            margins = _margins(model, batch, pad_id)[0]                           # (B,)
+            with lm.autocast(p.precision):
+                margins = _margins(model, batch, pad_id)[0]                       # (B,)
             loss = bradley_terry_margin_loss(margins, torch.zeros_like(margins),
                                              p.margin).mean()   # -log sigma(r_c - r_r - m)
             opt.zero_grad()
@@ -224,9 +236,9 @@ def reward_stats(model: RewardModel, data: Sequence[EncodedPair], pad_id: int
     return {"mean": float(flat.mean()), "std": float(flat.std()) if flat.numel() > 1 else 1.0}
 
 
-def save_stats(path: Path, stats: dict[str, float]) -> None:
+def save_stats(path: Path, stats: dict[str, float | str]) -> None:
     (path / STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
 
 
-def load_stats(path: Path) -> dict[str, float]:
+def load_stats(path: Path) -> dict[str, float | str]:
     return json.loads((path / STATS_FILE).read_text())

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     enc = lambda ps: encode_pairs(tok, ps, p.model.max_prompt_tokens, p.train_rm.max_length)  # noqa: E731
     enc_train, enc_held = enc(train), enc(held)
     members, metrics = train_members(backbone, enc_train, p, tok.pad_token_id, it)
-    ensemble = RewardEnsemble(members)
+    ensemble = RewardEnsemble(members, p.train_rm.precision)
     metrics.update(ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id))
     metrics.update(audit_metrics)
     metrics["rm/n_onpolicy"] = float(sum(1 for x in pairs if x.source.startswith("iter_")))
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     with atomic.directory(root / layout.reward_model(it)) as tmp:
         save_reward_model(members, tmp)
         tok.save_pretrained(tmp)
-        save_stats(tmp, stats)
+        save_stats(tmp, {**stats, "precision": p.train_rm.precision})
         atomic.write_json(tmp / layout.MODEL_META, {"iteration": it, "role": "reward_model",
                                                     "pairs": len(pairs), "ensemble": len(members)})
     jsonl.write(root / layout.audit_queue(it), queue)

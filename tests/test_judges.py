@@ -207,3 +207,29 @@ def test_judge_groups_metrics() -> None:
     assert m["judge/n_responses"] == 6
     assert m["judge/invalid_response_rate"] == pytest.approx(1 / 6)
     assert m["judge/mean_score"] == pytest.approx((1 - 1 + 0 + 0 + 1) / 5)
+
+
+def test_title_words_and_mentions() -> None:
+    from tasks.judges import mentions, title_words
+    from tasks.records import Message
+    prompt = (Message("user", "Write a short review of the movie Dr. Strangelove (1964)."),)
+    assert title_words(prompt) == {"dr", "strangelove", "1964"}
+    assert mentions(prompt, "Strangelove is a sharp satire.")
+    assert mentions(prompt, "A classic from 1964!")
+    assert not mentions(prompt, "Thank you so much for the lovely question!")
+    assert not mentions(prompt, "strangeloves are everywhere")     # whole words only
+
+
+def test_topic_judge_penalises_responses_that_do_not_name_the_subject() -> None:
+    from tasks.params import JudgeParams
+    from tasks.records import Message
+    judge = make_judge(JudgeParams(kind="lexicon_topic", off_topic_penalty=1.0))
+    prompt = (Message("user", "Give a brief review of the film Casablanca (1942)."),)
+    review = "Casablanca is a good film with a fine cast."
+    gush = "Thank you! This is wonderful, amazing, fantastic, I love it!"
+    on, off = judge.score([prompt, prompt], [review, gush])
+    assert on is not None and off is not None and on > off
+    assert judge_pair(judge, prompt, review, gush) == "A"
+    assert judge_pair(judge, prompt, gush, review) == "B"
+    plain = make_judge(JudgeParams(kind="lexicon"))
+    assert judge_pair(plain, prompt, review, gush) == "B"      # the hack the topic check closes
