@@ -214,26 +214,41 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
             "loss_last": losses[-1] if losses else float("nan"), "steps": float(len(losses))}
 
 
-def ensemble_metrics(model: RewardModel, train: Sequence[EncodedPair],
-                     heldout: Sequence[EncodedPair], pad_id: int) -> dict[str, float]:
-    """`rm/` metrics of a trained (ensemble) reward model on its train and held-out pairs."""
-    held = ensemble_agreement(pair_margins(model, heldout, pad_id))
-    return {"rm/accuracy": held["accuracy"], "rm/member_accuracy": held["member_accuracy"],
-            "rm/ensemble_disagreement": held["disagreement"],
-            "rm/ensemble_margin_std": held["margin_std"],
-            "rm/train_accuracy": ensemble_agreement(pair_margins(model, train, pad_id))["accuracy"],
-            "rm/n_train": float(len(train)), "rm/n_heldout": float(len(heldout)),
-            "rm/ensemble": float(len(model) if isinstance(model, RewardEnsemble) else 1)}
-
-
 @torch.no_grad()
-def reward_stats(model: RewardModel, data: Sequence[EncodedPair], pad_id: int
-                 ) -> dict[str, float]:
-    """Mean and std of the (ensemble mean) reward over the training responses, to normalise."""
-    prompts = [e.prompt_ids for e in data] * 2
-    responses = [e.chosen_ids for e in data] + [e.rejected_ids for e in data]
-    flat = reward_mean_std(model, prompts, responses, pad_id)[0] if data else torch.zeros(1)
-    return {"mean": float(flat.mean()), "std": float(flat.std()) if flat.numel() > 1 else 1.0}
+def pair_rewards(model: RewardModel, data: Sequence[EncodedPair], pad_id: int,
+                 batch_size: int = 32) -> tuple[Tensor, Tensor]:
+    """Every member's reward of every pair's chosen and rejected response, each (K, N)."""
+    model.eval()
+    k = len(model) if isinstance(model, RewardEnsemble) else 1
+    if not data:
+        return torch.zeros(k, 0), torch.zeros(k, 0)
+    prompts = [e.prompt_ids for e in data]
+    chosen, rejected = [], []
+    for s in range(0, len(data), batch_size):
+        chosen.append(member_rewards(model, prompts[s: s + batch_size],
+                                     [e.chosen_ids for e in data[s: s + batch_size]], pad_id))
+        rejected.append(member_rewards(model, prompts[s: s + batch_size],
+                                       [e.rejected_ids for e in data[s: s + batch_size]], pad_id))
+    return torch.cat(chosen, dim=1), torch.cat(rejected, dim=1)
+
+
+def ensemble_metrics(model: RewardModel, train: Sequence[EncodedPair],
+                     heldout: Sequence[EncodedPair], pad_id: int
+                     ) -> tuple[dict[str, float], dict[str, float]]:
+    """`rm/` metrics of a trained (ensemble) reward model on its train and held-out pairs, and
+    the normalisation stats (mean, std of the ensemble-mean reward over the training
+    responses): one scoring pass over each set serves both."""
+    held = ensemble_agreement(torch.sub(*pair_rewards(model, heldout, pad_id)))
+    r_c, r_r = pair_rewards(model, train, pad_id)                         # (K, N) each
+    flat = torch.cat([r_c.mean(0), r_r.mean(0)]) if train else torch.zeros(1)
+    stats = {"mean": float(flat.mean()), "std": float(flat.std()) if flat.numel() > 1 else 1.0}
+    metrics = {"rm/accuracy": held["accuracy"], "rm/member_accuracy": held["member_accuracy"],
+               "rm/ensemble_disagreement": held["disagreement"],
+               "rm/ensemble_margin_std": held["margin_std"],
+               "rm/train_accuracy": ensemble_agreement(r_c - r_r)["accuracy"],
+               "rm/n_train": float(len(train)), "rm/n_heldout": float(len(heldout)),
+               "rm/ensemble": float(len(model) if isinstance(model, RewardEnsemble) else 1)}
+    return metrics, stats
 
 
 def save_stats(path: Path, stats: dict[str, float | str]) -> None:

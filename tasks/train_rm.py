@@ -18,7 +18,7 @@ from tasks.jsonl import DataError
 from tasks.params import Params
 from tasks.records import PreferencePair, parse_pair
 from tasks.reward_model import (EncodedPair, RewardEnsemble, encode_pairs, ensemble_metrics,
-                                heldout_split, init_reward_model, pair_margins, reward_stats,
+                                heldout_split, init_reward_model, pair_margins,
                                 save_reward_model, save_stats, train_reward)
 
 
@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     enc_train, enc_held = enc(train), enc(held)
     members, metrics = train_members(backbone, enc_train, p, tok.pad_token_id, it)
     ensemble = RewardEnsemble(members, p.train_rm.precision)
-    metrics.update(ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id))
+    rm_metrics, stats = ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id)
+    metrics.update(rm_metrics)
     metrics.update(audit_metrics)
     metrics["rm/n_onpolicy"] = float(sum(1 for x in pairs if x.source.startswith("iter_")))
-    stats = reward_stats(ensemble, enc_train, tok.pad_token_id)
     new = [x for x in pool if x.source == f"iter_{it}"]         # the judge's labels, unaudited
     queue = audit.build_queue(new, pair_margins(ensemble, enc(new), tok.pad_token_id), labels,
                               p.train_rm.audit_top_n, p.train_rm.audit_random_n,
