@@ -10,7 +10,10 @@ import time
 from pathlib import Path
 
 from flows import workspace as wsmod
+from flows.report import collect_report
+from flows.targets import check, iteration_minutes
 from tasks.errors import InputError
+from tasks.params import load_params
 
 DEFAULT_WORKSPACE = "workspace"
 DEFAULT_PARAMS = wsmod.PROJECT_ROOT / "params" / "default.yaml"
@@ -63,7 +66,25 @@ def _run_flow(ws: wsmod.Workspace, force: list[str]) -> int:
             print(f"  iteration {it['iteration']}: policy v{it['policy_version']}, "
                   f"reward model v{it['reward_model_version']}, commit {it['git_commit'][:10]}")
     _print_report(ws.root)
+    seconds = {s["name"]: s["seconds"] for it in summaries for s in it["stages"]
+               if s["outcome"] == "ran"}
+    _print_targets(ws.root, seconds)
     return 0
+
+
+def _print_targets(root: Path, ran_seconds: dict[str, float]) -> None:
+    """The last iteration against the profile's efficacy bar (`targets:`), met or missed."""
+    report = collect_report(root)
+    last = max((k for k in report if k != "0"), key=int, default=None)
+    if last is None:
+        return
+    loop = [n for n in ran_seconds if "@" in n]
+    minutes = iteration_minutes(ran_seconds) if loop else None     # cached: nothing was timed
+    checks = check(report[last], load_params(root / "params.yaml").targets, minutes)
+    met = sum(c.met for c in checks)
+    print(f"targets (iteration {last}): {met} of {len(checks)} met")
+    for c in checks:
+        print(c.line())
 
 
 def _quiet_prefect() -> None:
@@ -90,38 +111,34 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if all(s.state == "up-to-date" for s in states) else 1
 
 
-def collect_report(root: Path) -> dict[str, dict[str, float]]:
-    """Per-iteration metrics from the metrics files that DVC tracks."""
-    out: dict[str, dict[str, float]] = {}
-    offpolicy = root / "metrics" / "offpolicy.json"
-    if offpolicy.is_file():
-        out["0"] = json.loads(offpolicy.read_text())
-    for d in sorted((root / "metrics").glob("iter_*"), key=lambda p: int(p.name[5:])):
-        merged: dict[str, float] = {}
-        for f in sorted(d.glob("*.json")):
-            merged.update(json.loads(f.read_text()))
-        out[d.name[5:]] = merged
-    return out
-
-
-REPORT_KEYS = ("eval/win_rate", "eval/win_rate_ci_low", "eval/win_rate_ci_high",
-               "eval/rm_win_rate", "eval/kl", "eval/length_ratio", "rm/accuracy",
-               "judge/n_pairs")
+REPORT_COLUMNS = (("judge", "eval/win_rate"), ("lo", "eval/win_rate_ci_low"),
+                  ("gold", "eval/gold_win_rate"), ("lo", "eval/gold_win_rate_ci_low"),
+                  ("rm", "eval/rm_win_rate"), ("bon-gold", "eval/bon_gold_win_rate"),
+                  ("kl", "eval/kl"), ("topic", "eval/on_topic_rate"),
+                  ("ref-topic", "eval/ref_on_topic_rate"), ("len", "eval/length_ratio"),
+                  ("nll", "eval/fluency_nll"), ("rm-acc", "rm/accuracy"),
+                  ("hack", "eval/hacking_flag"))
 
 
 def _print_report(root: Path) -> None:
+    """Win rates (judge, gold, RM, Best-of-N by gold) with interval lows, and the monitors."""
     report = collect_report(root)
     rows = [(k, v) for k, v in report.items() if k != "0"]
     if not rows:
         return
-    print("iteration  " + "  ".join(f"{k:>20}" for k in REPORT_KEYS))
+    print("iter  " + " ".join(f"{name:>9}" for name, _ in REPORT_COLUMNS))
     for it, m in rows:
-        print(f"{it:>9}  " + "  ".join(f"{m.get(k, float('nan')):>20.3f}" for k in REPORT_KEYS))
+        print(f"{it:>4}  " + " ".join(f"{m.get(k, float('nan')):>9.3f}"
+                                      for _, k in REPORT_COLUMNS))
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     root = Path(args.workspace).resolve()
-    if args.json:
+    if args.html:
+        from flows.report import build_report, report_dir
+        root = _existing(args.workspace).root
+        print(build_report(root, report_dir(root)))
+    elif args.json:
         print(json.dumps(collect_report(root), indent=2, sort_keys=True))
     else:
         _print_report(root)
@@ -257,7 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
                              ("report", cmd_report, "per-iteration metrics")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--workspace", default=DEFAULT_WORKSPACE, help="workspace directory")
-        p.add_argument("--json", action="store_true", help="machine-readable output")
+        out = p.add_mutually_exclusive_group()
+        out.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "report":
+            out.add_argument("--html", action="store_true",
+                             help="(re)build the HTML report with plots and sample outputs in "
+                                  "<workspace>/.alignloop/report/ and print its path")
         p.set_defaults(func=func)
     rerun = sub.add_parser("rerun", help="recompute one stage instance (and, with "
                                          "--downstream, what depends on it)")

@@ -192,8 +192,22 @@ class EvaluateParams:
 class GateParams:
     min_win_rate: float = 0.5
     min_win_rate_ci_low: float = 0.0
+    min_gold_win_rate: float = 0.0
     max_kl: float = 1e9
     block_on_hacking_flag: bool = True
+
+
+@dataclass(frozen=True)
+class TargetParams:
+    """The efficacy bar a run is measured against (printed after `alignloop run`; no stage
+    reads it, so changing it reruns nothing)."""
+    min_gold_win_rate: float = 0.75
+    min_gold_win_rate_ci_low: float = 0.5
+    min_win_rate: float = 0.85
+    max_on_topic_drop: float = 0.05
+    max_length_drift: float = 0.3
+    min_n: int = 200
+    max_minutes: float = 15.0
 
 
 @dataclass(frozen=True)
@@ -209,6 +223,7 @@ class Params:
     update: UpdateParams = field(default_factory=UpdateParams)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
     gate: GateParams = field(default_factory=GateParams)
+    targets: TargetParams = field(default_factory=TargetParams)
 
 
 def _line_index(node: yaml.Node, path: tuple[str, ...], out: dict[tuple[str, ...], int]) -> None:

@@ -30,7 +30,18 @@ def test_missing_or_nan_metric_fails():
 def test_hacking_flag_blocks_unless_disabled():
     flagged = {**GOOD, "eval/hacking_flag": 1.0}
     assert not decide(flagged, P)["passed"]
-    assert decide(flagged, GateParams(0.7, 0.5, 5.0, block_on_hacking_flag=False))["passed"]
+    assert decide(flagged, GateParams(min_win_rate=0.7, min_win_rate_ci_low=0.5, max_kl=5.0,
+                                      block_on_hacking_flag=False))["passed"]
+
+
+def test_gold_win_rate_checked_only_when_asked():
+    gold = GateParams(min_win_rate=0.7, min_win_rate_ci_low=0.5, max_kl=5.0,
+                      min_gold_win_rate=0.55)
+    assert "eval/gold_win_rate >= min_gold_win_rate" not in decide(GOOD, P)["checks"]
+    assert decide({**GOOD, "eval/gold_win_rate": 0.6}, gold)["passed"]
+    d = decide({**GOOD, "eval/gold_win_rate": 0.5}, gold)
+    assert not d["passed"] and any("eval/gold_win_rate = 0.5" in r for r in d["reasons"])
+    assert not decide(GOOD, gold)["passed"]              # asked for, but not measured
 
 
 def test_hacking_monitors_flag_length_drift_and_rm_disagreement():
