@@ -47,7 +47,17 @@ def collect_report(root: Path) -> dict[str, dict[str, Any]]:
         merged: dict[str, Any] = {}
         for f in sorted(d.glob("*.json")):
             merged.update(json.loads(f.read_text()))
-        out[d.name[5:]] = merged
+        out[d.name[5:]] = with_intervals(merged)
+    return out
+
+
+def with_intervals(m: dict[str, Any]) -> dict[str, Any]:
+    """Each `X_ci_low` / `X_ci_high` pair also as `X_ci`: [low, high] (e.g. eval/win_rate_ci)."""
+    out = dict(m)
+    for key in m:
+        if key.endswith("_ci_low") and key.removesuffix("_low") + "_high" in m:
+            base = key.removesuffix("_low")
+            out[base] = [m[key], m[base + "_high"]]
     return out
 
 

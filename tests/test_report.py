@@ -275,3 +275,12 @@ def test_cli_report_html_rebuilds_and_prints_the_path(tiny_run):
     assert html.is_file()
     assert run_cli("report", "--html", "--json", "--workspace", str(ws), check=False
                    ).returncode != 0                      # one output format at a time
+
+
+def test_intervals_are_also_reported_as_pairs() -> None:
+    from flows.report import with_intervals
+    m = with_intervals({"eval/win_rate": 0.8, "eval/win_rate_ci_low": 0.7,
+                        "eval/win_rate_ci_high": 0.9, "eval/gold_win_rate_ci_low": 0.6})
+    assert m["eval/win_rate_ci"] == [0.7, 0.9]
+    assert "eval/gold_win_rate_ci" not in m          # no high end: no pair
+    assert m["eval/win_rate"] == 0.8
