@@ -101,6 +101,7 @@ class TrainRMParams:
     audit_top_n: int = 8            # audit queue: new pairs the members disagree on most
     audit_random_n: int = 8         # audit queue: plus a seeded random sample of judge labels
     precision: Literal["fp32", "bf16"] = "fp32"   # bf16: autocast matmuls (training and scoring)
+    num_layers: int = 0             # keep the backbone's first N blocks (0 = all)
 
 
 @dataclass(frozen=True)
@@ -399,7 +400,7 @@ def _check_dpo_and_rm(p: Params, b: _Builder) -> None:
         b.fail(("train_rm", "margin"), "must be >= 0")
     if rm.ensemble < 1:
         b.fail(("train_rm", "ensemble"), "must be >= 1")
-    for key in ("audit_top_n", "audit_random_n"):
+    for key in ("audit_top_n", "audit_random_n", "num_layers"):
         if getattr(rm, key) < 0:
             b.fail(("train_rm", key), "must be >= 0")
 

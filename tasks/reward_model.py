@@ -33,12 +33,20 @@ class EncodedPair:
     rejected_ids: tuple[int, ...]
 
 
-def init_reward_model(backbone_dir: Path, rng: torch.Generator | None = None
-                      ) -> transformers.PreTrainedModel:
+def init_reward_model(backbone_dir: Path, rng: torch.Generator | None = None,
+                      num_layers: int = 0) -> transformers.PreTrainedModel:
     """A fresh scalar head (num_labels=1) on the backbone's pretrained weights; with `rng`, the
-    head is drawn from it (ensemble members differ by their head's seed)."""
+    head is drawn from it (ensemble members differ by their head's seed). num_layers > 0 keeps
+    only the backbone's first N transformer blocks (a cheaper reward model: scoring and training
+    cost scale with depth); 0 keeps them all."""
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
         lm.check_model_dir(backbone_dir), num_labels=1, dtype=torch.float32)
+    backbone = getattr(model, model.base_model_prefix)
+    if 0 < num_layers < len(backbone.layers):
+        backbone.layers = backbone.layers[:num_layers]
+        model.config.num_hidden_layers = num_layers
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:num_layers]
     if rng is not None:
         with torch.no_grad():
             model.score.weight.normal_(0.0, model.config.initializer_range, generator=rng)

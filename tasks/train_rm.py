@@ -27,7 +27,8 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
     """K members, member i seeded by (seed, it, i); loss stats averaged over members."""
     members, runs = [], []
     for i in range(p.train_rm.ensemble):
-        model = init_reward_model(backbone, stage.generator(p.seed, 2, it, i, 0))   # head init
+        model = init_reward_model(backbone, stage.generator(p.seed, 2, it, i, 0),   # head init
+                                  p.train_rm.num_layers)
         runs.append(train_reward(model, train, p.train_rm, pad_id,
                                  stage.generator(p.seed, 2, it, i, 1)))             # data order
         members.append(model)

@@ -208,3 +208,22 @@ def test_single_model_queue_is_only_the_random_sample() -> None:
     queue = audit.build_queue(pairs, torch.ones(1, 6), {}, top_n=3, random_n=4,
                               rng=stage.generator(0, 6, 1))
     assert [q["reason"] for q in queue] == ["random"] * 4
+
+
+def test_truncated_backbone_keeps_the_first_blocks(tmp_path: Path) -> None:
+    """num_layers = 1 keeps block 0 of the initial model (same weights) and drops the rest."""
+    from tasks.params import TinyModelParams
+    from tasks.reward_model import init_reward_model
+    from tasks.tiny_model import save_tiny
+    tiny_model_dir = tmp_path / "m"
+    tiny_model_dir.mkdir()
+    save_tiny(TinyModelParams(num_layers=3), 0, tiny_model_dir)
+    full = init_reward_model(tiny_model_dir)
+    cut = init_reward_model(tiny_model_dir, num_layers=1)
+    assert len(cut.model.layers) == 1 == cut.config.num_hidden_layers
+    assert len(full.model.layers) > 1
+    for (k, v), (k2, v2) in zip(cut.model.layers[0].state_dict().items(),
+                                full.model.layers[0].state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+    r = member_rewards(cut, [(1, 2, 3)], [(4, 5)], pad_id=0)
+    assert r.shape == (1, 1) and torch.isfinite(r).all()
