@@ -176,3 +176,11 @@ def test_non_finite_float_is_rejected(tmp_path):
     path = tmp_path / "nan.yaml"
     path.write_text('iterations:\n  "1": {prev: 0}\ntrain_rm:\n  lr: .nan\n')
     assert load_error(path).startswith(f"{path}:4: train_rm.lr: expected a finite number")
+
+
+def test_ppo_profile_differs_from_default_only_in_update() -> None:
+    base = to_dict(load_params(PARAMS_DIR / "default.yaml"))
+    ppo = to_dict(load_params(PARAMS_DIR / "default-ppo.yaml"))
+    assert ppo["update"]["algo"] == "ppo" and base["update"]["algo"] == "dpo"
+    assert {k: v for k, v in ppo.items() if k != "update"} == \
+        {k: v for k, v in base.items() if k != "update"}
