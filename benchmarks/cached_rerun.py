@@ -101,10 +101,10 @@ def timed_rerun(args: list[str], env: dict[str, str], work: Path,
 
 
 def profile_summary(path: Path, top: int = 25) -> list[dict[str, Any]]:
-    """The functions with the most cumulative time in a cProfile dump (project code first)."""
-    stats = pstats.Stats(str(path))
+    """The functions with the most cumulative time in a cProfile dump."""
+    table = pstats.Stats(str(path)).stats        # type: ignore[attr-defined]
     rows = []
-    for (file, line, name), (_, ncalls, _, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+    for (file, line, name), (_, ncalls, _, cum, _) in table.items():
         rows.append({"function": f"{Path(file).name}:{line}({name})", "calls": ncalls,
                      "cumulative_s": round(cum, 3)})
     rows.sort(key=lambda r: -r["cumulative_s"])

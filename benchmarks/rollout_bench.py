@@ -82,7 +82,11 @@ def measure_rollout(model_dir: str | Path, n_prompts: int = 48, k: int = 4,
                     max_new_tokens: int = 40, batch_size: int = 192, seed: int = 0
                     ) -> dict[str, float]:
     """New tokens/s of the rollout sampler and of plain `generate` on the same batch, their
-    ratio, and the sampler's worst stored log-prob error against a full fp32 forward."""
+    ratio, and the sampler's worst stored log-prob error against a full fp32 forward; with the
+    torch thread count and the machine's 1-minute load average (the higher of before and
+    after): on a shared machine a load above the core count makes both timings unreliable,
+    `generate`'s most (its every op synchronises its threads)."""
+    load_before = os.getloadavg()[0]
     model, tok = lm.load_causal_lm(model_dir), lm.load_tokenizer(model_dir)
     max_prompt_tokens = load_params(ROOT / "params" / "default.yaml").model.max_prompt_tokens
     prompts = train_prompts(n_prompts, seed)
@@ -117,7 +121,9 @@ def measure_rollout(model_dir: str | Path, n_prompts: int = 48, k: int = 4,
     return {"sampler_tok_s": sampler_tok_s, "generate_tok_s": generate_tok_s,
             "rollout_speedup": sampler_tok_s / generate_tok_s,
             "logprob_max_abs_err": logprob_max_abs_err(model, rollouts, pad),
-            "sampler_s": sampler_s, "generate_s": generate_s}
+            "sampler_s": sampler_s, "generate_s": generate_s,
+            "threads": torch.get_num_threads(),
+            "load_1min": max(load_before, os.getloadavg()[0])}
 
 
 def main(argv: list[str] | None = None) -> None:

