@@ -8,16 +8,17 @@ batched sampling:
   repeating K/V for every query head;
 - fused QKV and gate/up projections, concatenated from the model's weights at each `sample`
   call, so no copy outlives a weight update;
-- prefix sharing: the prefix common to all prompts of the batch is run once (batch 1) and its
-  KV kept once, attended by all rows in one matmul; each distinct prompt's remainder is run
-  once, packed with others into sequences without padding, and its KV copied out to that
-  prompt's samples (the K rollouts of a prompt);
+- prompt sharing: the prefix common to all prompts of the batch is run once (batch 1) and its
+  KV stored once; each distinct prompt's remainder is run once (packed with others into
+  sequences without padding) and its KV stored once for its K samples (consecutive rows). A
+  decode step attends to the three parts as one softmax: the prefix with one matmul over all
+  rows' queries, a remainder with one matmul over its K rows' queries, and each row's own
+  generated tokens;
 - logits only at the positions a token is sampled from, computed a vocabulary chunk at a time
   into one reused buffer.
 
-A row's keys are [shared prefix | pad ... remainder | generated tokens]; pad slots carry a -inf
-key bias and positions are counted over real tokens only, so every row sees exactly the
-attention and positions of its prompt run alone.
+Every row sees exactly the keys and positions of its prompt run alone: remainders are
+right-aligned with -inf key bias on the pad slots before them, positions count real tokens.
 """
 from __future__ import annotations
 
@@ -55,26 +56,31 @@ class _Layer:
 
 @dataclass(frozen=True)
 class PromptLayout:
-    """Where each row's prompt lies: a shared prefix, then its distinct remainder right-aligned."""
+    """A batch's prompts as a shared prefix and distinct remainders, each remainder the prompt
+    of `group` consecutive rows (row r has remainder r // group)."""
     prefix: tuple[int, ...]                  # common to every prompt (always leaves >= 1 token)
-    remainders: tuple[tuple[int, ...], ...]  # one per distinct prompt, prefix removed
-    row_prompt: tuple[int, ...]              # row -> index into remainders
+    remainders: tuple[tuple[int, ...], ...]  # prefix removed
+    group: int                               # rows per remainder
 
     @property
     def width(self) -> int:
-        """Slots from the prefix's end to the last prompt token (longest remainder)."""
+        """Key slots of the remainder part (the longest remainder)."""
         return max(len(r) for r in self.remainders)
 
 
 def prompt_layout(prompts: Sequence[Sequence[int]]) -> PromptLayout:
-    distinct = list(dict.fromkeys(tuple(p) for p in prompts))
-    index = {p: i for i, p in enumerate(distinct)}
+    """Runs of equal consecutive prompts share a remainder when all runs are equally long (K
+    samples per prompt, as rollouts lay them out); otherwise every row has its own."""
+    rows = [tuple(p) for p in prompts]
+    starts = [i for i in range(len(rows)) if i == 0 or rows[i] != rows[i - 1]]
+    sizes = {b - a for a, b in zip(starts, starts[1:] + [len(rows)])}
+    group = sizes.pop() if len(sizes) == 1 else 1
+    distinct = rows[::group]
     n = min(len(p) for p in distinct) - 1            # keep one token: its logits start sampling
-    first = distinct[0]
     for p in distinct[1:]:
-        n = next((i for i in range(n) if p[i] != first[i]), n)
-    return PromptLayout(first[:max(n, 0)], tuple(p[max(n, 0):] for p in distinct),
-                        tuple(index[tuple(p)] for p in prompts))
+        n = next((i for i in range(n) if p[i] != distinct[0][i]), n)
+    n = max(n, 0)
+    return PromptLayout(distinct[0][:n], tuple(p[n:] for p in distinct), group)
 
 
 class LlamaWeights:
@@ -104,9 +110,9 @@ class LlamaDecoder:
     appends one token per row and gives the next (B, V) logits. Both return the same buffer,
     which the caller may overwrite in place until the next call.
 
-    The KV cache has two parts: the shared prefix's, stored once (L, KV, P, hd) and attended by
-    every row as one matmul over all rows' queries, and each row's own (L, B, KV, S, hd) for
-    its prompt remainder and generated tokens.
+    KV cache, each (L, ..., KV, slots, hd): the prefix's (L, KV, P, hd), the remainders'
+    (L, D, KV, W, hd) with their key bias (D, W), and the rows' generated tokens'
+    (L, B, KV, max_new_tokens, hd).
     """
 
     def __init__(self, weights: LlamaWeights, prompts: Sequence[Sequence[int]], *, pad_id: int,
@@ -115,54 +121,76 @@ class LlamaDecoder:
         self.n_heads, self.n_kv, self.head_dim = weights.n_heads, weights.n_kv, weights.head_dim
         self.pad_id, self.inv_temp = pad_id, 1.0 / temperature
         self.layout = prompt_layout(prompts)
-        n_layers, b, width = len(self.layers), len(prompts), self.layout.width
-        self.k_prefix = self.v_prefix = torch.zeros((n_layers, self.n_kv, 0, self.head_dim))
-        shape = (n_layers, b, self.n_kv, width + max_new_tokens, self.head_dim)
-        self.k, self.v = torch.empty(shape), torch.empty(shape)            # (L, B, KV, S, hd)
-        self.key_bias = torch.zeros((b, width + max_new_tokens))            # 0 or -inf per slot
-        self.next_slot = width
-        self.next_pos = torch.zeros(b, dtype=torch.long)                    # (B,)
-        self.logits = torch.empty((b, self.model.lm_head.weight.shape[0]))  # (B, V)
+        n_layers, kv, hd = len(self.layers), self.n_kv, self.head_dim
+        d, width = len(self.layout.remainders), self.layout.width
+        self.k_prefix = self.v_prefix = torch.zeros((n_layers, kv, 0, hd))
+        self.k_rem, self.v_rem = (torch.zeros((n_layers, d, kv, width, hd)) for _ in range(2))
+        self.rem_bias = torch.zeros((d, width))                             # 0 or -inf (pad)
+        shape = (n_layers, len(prompts), kv, max_new_tokens, hd)
+        self.k_gen, self.v_gen = torch.empty(shape), torch.empty(shape)     # written, then read
+        self.next_slot = 0
+        self.next_pos = torch.zeros(len(prompts), dtype=torch.long)         # (B,)
+        self.logits = torch.empty((len(prompts), self.model.lm_head.weight.shape[0]))  # (B, V)
 
     # -- the transformer -----------------------------------------------------------------------
     def _forward(self, ids: Tensor, positions: Tensor, k: Tensor, v: Tensor, start: int,
-                 bias: Tensor) -> Tensor:
-        """Run ids (N, T) at slots [start, start+T) of the row cache k, v (L, N, KV, S, hd),
-        attending to the whole shared prefix and to row slots [0, start+T) with additive bias
-        (N, T, start+T). Returns the final-norm hidden states (N, T, D)."""
+                 bias: Tensor | None, remainders: bool) -> Tensor:
+        """Run ids (N, T) at slots [start, start+T) of the rows' own cache k, v
+        (L, N, KV, S, hd), attending to the shared prefix, to the rows' remainders when asked,
+        and to own slots [0, start+T) with additive bias (N, T, start+T) or none. Returns the
+        final-norm hidden states (N, T, D)."""
         m = self.model.model
         n, t = ids.shape
         h, kv, g, hd = self.n_heads, self.n_kv, self.n_heads // self.n_kv, self.head_dim
-        p, end = self.k_prefix.shape[2], start + ids.shape[1]
         x = m.embed_tokens(ids)                                             # (N, T, D)
         cos, sin = (a.unsqueeze(2) for a in m.rotary_emb(x, positions))     # (N, T, 1, hd)
-        bias = bias[:, None, None]                                          # (N, 1, 1, T, S')
         for i, w in enumerate(self.layers):
-            # 1. fused QKV; RoPE on q and k together; new k, v into the row cache
+            # 1. fused QKV (q pre-scaled); RoPE on q and k together; new k, v into own cache
             qkv = F.linear(_rms_norm(w.in_norm, x), w.qkv)                  # (N, T, (H+2KV)*hd)
             qk = _rope(qkv[..., : (h + kv) * hd].view(n, t, h + kv, hd), cos, sin)
-            k[i, :, :, start:end] = qk[:, :, h:].transpose(1, 2)
-            v[i, :, :, start:end] = qkv[..., (h + kv) * hd:].view(n, t, kv, hd).transpose(1, 2)
-            q = qk[:, :, :h].reshape(n, t, kv, g, hd)
-            q = q.permute(0, 2, 3, 1, 4).reshape(n, kv, g * t, hd)          # (N, KV, G*T, hd)
-            # 2. grouped-query attention: row slots, then the shared prefix for all rows at once
-            scores = q @ k[i, :, :, :end].transpose(-1, -2)                 # (N, KV, G*T, S')
-            scores = (scores.view(n, kv, g, t, end) + bias).view(n, kv, g * t, end)
-            if p:
-                q_all = q.transpose(0, 1).reshape(kv, n * g * t, hd)        # (KV, N*G*T, hd)
-                s_pre = (q_all @ self.k_prefix[i].transpose(-1, -2)).view(kv, n, g * t, p)
-                scores = torch.cat([s_pre.transpose(0, 1), scores], dim=-1)
-            probs = scores.softmax(-1)                                      # (N, KV, G*T, P+S')
-            att = probs[..., p:] @ v[i, :, :, :end]                         # (N, KV, G*T, hd)
-            if p:
-                pre = probs[..., :p].transpose(0, 1).reshape(kv, n * g * t, p) @ self.v_prefix[i]
-                att = att + pre.view(kv, n, g * t, hd).transpose(0, 1)
+            k[i, :, :, start: start + t] = qk[:, :, h:].transpose(1, 2)
+            v[i, :, :, start: start + t] = qkv[..., (h + kv) * hd:].view(n, t, kv, hd
+                                                                          ).transpose(1, 2)
+            q = qk[:, :, :h].reshape(n, t, kv, g, hd).permute(0, 2, 3, 1, 4)  # (N, KV, G, T, hd)
+            # 2. grouped-query attention over prefix, remainders and own keys
+            att = self._attend(i, q.reshape(n, kv, g * t, hd), k[i, :, :, : start + t],
+                               v[i, :, :, : start + t], bias, remainders)   # (N, KV, G*T, hd)
             att = att.view(n, kv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(n, t, h * hd)
             x = _add_linear(x, att, w.o)
             # 3. SwiGLU MLP with the fused gate/up projection
             gate, up = F.linear(_rms_norm(w.post_norm, x), w.gate_up).chunk(2, dim=-1)
             x = _add_linear(x, F.silu(gate).mul_(up), w.down)
         return _rms_norm(m.norm, x)
+
+    def _attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
+                remainders: bool) -> Tensor:
+        """Softmax attention of q (N, KV, M, hd), M = G*T query rows per KV head, over layer
+        i's prefix keys (one matmul for all rows), remainder keys (one matmul per distinct
+        prompt, over its rows' queries) and own keys k, v (N, KV, S, hd)."""
+        n, kv, m, hd = q.shape
+        k_pre, v_pre = self.k_prefix[i], self.v_prefix[i]                   # (KV, P, hd)
+        p = k_pre.shape[1]
+        d, w = (len(self.layout.remainders), self.layout.width) if remainders else (0, 0)
+        own = q @ k.transpose(-1, -2)                                       # (N, KV, M, S)
+        if bias is not None:
+            t = bias.shape[1]
+            own = (own.view(n, kv, m // t, t, -1) + bias[:, None, None]).view(n, kv, m, -1)
+        scores = [own]
+        if p:
+            q_all = q.transpose(0, 1).reshape(kv, n * m, hd)                # (KV, N*M, hd)
+            scores.insert(0, (q_all @ k_pre.transpose(-1, -2)).view(kv, n, m, p).transpose(0, 1))
+        if d:
+            q_grp = _to_groups(q, d)                                        # (D, KV, K*M, hd)
+            s_rem = q_grp @ self.k_rem[i].transpose(-1, -2) + self.rem_bias[:, None, None]
+            scores.insert(1 if p else 0, _from_groups(s_rem, n))            # (N, KV, M, W)
+        probs = torch.cat(scores, dim=-1).softmax(-1) if len(scores) > 1 else own.softmax(-1)
+        att = probs[..., p + w:] @ v                                        # (N, KV, M, hd)
+        if p:
+            pre = probs[..., :p].transpose(0, 1).reshape(kv, n * m, p) @ v_pre
+            att += pre.view(kv, n, m, hd).transpose(0, 1)
+        if d:
+            att += _from_groups(_to_groups(probs[..., p: p + w], d) @ self.v_rem[i], n)
+        return att
 
     def _head(self, hidden: Tensor, out: Tensor) -> Tensor:
         """Tempered logits (N, V) of last hidden states (N, D), into out, a vocabulary chunk at
@@ -178,50 +206,45 @@ class LlamaDecoder:
     # -- prefill -------------------------------------------------------------------------------
     def prefill(self) -> Tensor:
         lay = self.layout
-        n_p, width = len(lay.prefix), lay.width
-        n_layers, kv, hd = len(self.layers), self.n_kv, self.head_dim
+        n_p = len(lay.prefix)
         # 1. the shared prefix, once
         if n_p:
-            k1, v1 = (torch.empty((n_layers, 1, kv, n_p, hd)) for _ in range(2))
+            k1, v1 = (torch.empty((len(self.layers), 1, self.n_kv, n_p, self.head_dim))
+                      for _ in range(2))
             causal = torch.full((n_p, n_p), float("-inf")).triu_(1)[None]
-            self._forward(torch.tensor([lay.prefix]), torch.arange(n_p)[None], k1, v1, 0, causal)
+            self._forward(torch.tensor([lay.prefix]), torch.arange(n_p)[None], k1, v1, 0, causal,
+                          remainders=False)
             self.k_prefix, self.v_prefix = k1[:, 0], v1[:, 0]
         # 2. each distinct remainder once, packed into sequences of about PACK_TOKENS tokens
         last = torch.empty((len(lay.remainders), self.model.config.hidden_size))   # (D, D_model)
         for group in _pack([len(r) for r in lay.remainders], PACK_TOKENS):
             self._prefill_packed(group, last)
-        # 3. each row's remainder slots right-aligned before the generated ones; pads masked
-        lengths = torch.tensor([len(lay.remainders[j]) for j in lay.row_prompt])     # (B,)
-        pad = torch.arange(width)[None, :] < (width - lengths)[:, None]             # (B, W)
-        self.key_bias[:, :width].masked_fill_(pad, float("-inf"))
-        for cache in (self.k, self.v):          # finite pads: a masked key must not be NaN
-            cache[:, :, :, :width].masked_fill_(pad[None, :, None, :, None], 0.0)
-        self.next_pos = n_p + lengths
-        rows = torch.tensor(lay.row_prompt)
-        return torch.index_select(self._head(last, torch.empty(len(last), self.logits.shape[1])),
-                                  0, rows, out=self.logits)
+        lengths = torch.tensor([len(r) for r in lay.remainders])                      # (D,)
+        self.rem_bias.masked_fill_(torch.arange(lay.width) < (lay.width - lengths)[:, None],
+                                   float("-inf"))
+        self.next_pos = (n_p + lengths).repeat_interleave(lay.group)                  # (B,)
+        first = self._head(last, torch.empty(len(last), self.logits.shape[1]))        # (D, V)
+        rows = torch.arange(len(self.logits)) // lay.group
+        return torch.index_select(first, 0, rows, out=self.logits)
 
     def _prefill_packed(self, group: Sequence[int], last: Tensor) -> None:
         """Run the remainders in group as one sequence, each attending to the prefix and to
-        itself only; copy their KV out to their rows and their last hidden state into last."""
-        lay, width = self.layout, self.layout.width
-        n_p = len(lay.prefix)
-        rems = [lay.remainders[j] for j in group]
+        itself only; store their KV right-aligned and their last hidden state into last."""
+        rems = [self.layout.remainders[j] for j in group]
         seg = torch.cat([torch.full((len(r),), i) for i, r in enumerate(rems)])       # (T,)
         offset = torch.cat([torch.arange(len(r)) for r in rems])                      # (T,)
         allowed = (seg[:, None] == seg[None, :]) & (offset[None, :] <= offset[:, None])
         bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[None]
-        t = len(seg)
-        k1, v1 = (torch.empty((len(self.layers), 1, self.n_kv, t, self.head_dim))
+        k1, v1 = (torch.empty((len(self.layers), 1, self.n_kv, len(seg), self.head_dim))
                   for _ in range(2))
         ids = torch.tensor([[tok for r in rems for tok in r]])
-        hidden = self._forward(ids, (n_p + offset)[None], k1, v1, 0, bias)[0]        # (T, D)
-        start = 0
+        positions = (len(self.layout.prefix) + offset)[None]
+        hidden = self._forward(ids, positions, k1, v1, 0, bias, remainders=False)[0]  # (T, D)
+        start, width = 0, self.layout.width
         for j, r in zip(group, rems):
             end = start + len(r)
-            rows = [i for i, jj in enumerate(lay.row_prompt) if jj == j]
-            self.k[:, rows, :, width - len(r): width] = k1[:, :, :, start:end]
-            self.v[:, rows, :, width - len(r): width] = v1[:, :, :, start:end]
+            self.k_rem[:, j, :, width - len(r):] = k1[:, 0, :, start:end]
+            self.v_rem[:, j, :, width - len(r):] = v1[:, 0, :, start:end]
             last[j] = hidden[end - 1]
             start = end
 
@@ -229,10 +252,22 @@ class LlamaDecoder:
     def step(self, tokens: Tensor) -> Tensor:
         """Append tokens (B,) at the next slot; returns the next tempered logits (B, V)."""
         s = self.next_slot
-        bias = self.key_bias[:, None, : s + 1]                              # (B, 1, S')
-        hidden = self._forward(tokens[:, None], self.next_pos[:, None], self.k, self.v, s, bias)
+        hidden = self._forward(tokens[:, None], self.next_pos[:, None], self.k_gen, self.v_gen,
+                               s, None, remainders=True)
         self.next_slot, self.next_pos = s + 1, self.next_pos + 1
         return self._head(hidden[:, -1], self.logits)
+
+
+def _to_groups(x: Tensor, d: int) -> Tensor:
+    """(N, KV, M, S) rows to (D, KV, K*M, S): each remainder's K consecutive rows together."""
+    n, kv, m, s = x.shape
+    return x.view(d, n // d, kv, m, s).transpose(1, 2).reshape(d, kv, n // d * m, s)
+
+
+def _from_groups(x: Tensor, n: int) -> Tensor:
+    """Inverse of _to_groups: (D, KV, K*M, S) to (N, KV, M, S)."""
+    d, kv, km, s = x.shape
+    return x.view(d, kv, n // d, km * d // n, s).transpose(1, 2).reshape(n, kv, km * d // n, s)
 
 
 def _pack(lengths: Sequence[int], budget: int) -> list[list[int]]:

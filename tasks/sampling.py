@@ -84,9 +84,10 @@ def _draw_nucleus(logits: Tensor, top_p: float, u: Tensor) -> tuple[Tensor, Tens
 
 
 def draw(logits: Tensor, top_p: float, u: Tensor) -> tuple[Tensor, Tensor]:
-    """One exact sample per row from softmax(logits), restricted to the top-p nucleus when
-    top_p < 1, and its log-prob under that distribution, by inverse CDF at u ~ U[0, 1).
-    logits: (B, V) tempered fp32, which this overwrites; u: (B,) fp64. Returns (B,), (B,)."""
+    """One sample per row from softmax(logits), restricted to the top-p nucleus when top_p < 1,
+    and its log-prob under that distribution, by inverse CDF at u ~ U[0, 1): exact up to the
+    rounding of the fp32 probabilities, as torch.multinomial is. logits: (B, V) tempered fp32,
+    which this overwrites; u: (B,) fp64. Returns (B,), (B,)."""
     if top_p < 1.0:
         return _draw_nucleus(logits, top_p, u)
     return _draw_full(logits, u)
@@ -143,7 +144,7 @@ def _decoders(model: torch.nn.Module, *, pad_id: int, temperature: float,
     return lambda prompts: HFDecoder(model, prompts, pad_id=pad_id, temperature=temperature)
 
 
-@torch.no_grad()           # grad mode is per thread: the shard workers need it set here
+@torch.inference_mode()    # grad mode is per thread: the shard workers need it set here
 def _sample_rows(dec: Decoder, u: Tensor, *, eos_id: int, pad_id: int,
                  top_p: float) -> list[Sample]:
     """Draw one response per row of the decoder, step t at uniforms u[:, t] (B, T); stops at
@@ -199,17 +200,25 @@ def _sample_sharded(make: Callable[[Sequence[Sequence[int]]], Decoder],
     b = len(prompts)
     u = torch.rand((b, max_new_tokens), generator=generator, dtype=torch.float64)   # (B, T)
     n = max(1, min(torch.get_num_threads(), b // MIN_SHARD_ROWS))
-    bounds = [b * i // n for i in range(n + 1)]
-    shards = [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+    bounds = [_run_start(prompts, b * i // n) for i in range(n + 1)]
+    shards = [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
     def run(rows: slice) -> list[Sample]:
         return _sample_rows(make(prompts[rows]), u[rows], eos_id=eos_id, pad_id=pad_id,
                             top_p=top_p)
 
-    if n == 1:
+    if len(shards) == 1:
         return run(shards[0])
-    with _single_threaded_ops(), ThreadPoolExecutor(n) as pool:
+    with _single_threaded_ops(), ThreadPoolExecutor(len(shards)) as pool:
         return [s for part in pool.map(run, shards) for s in part]
+
+
+def _run_start(prompts: Sequence[Sequence[int]], i: int) -> int:
+    """The first index at or after i that starts a run of equal consecutive prompts (so that a
+    shard boundary keeps the K samples of a prompt together)."""
+    while 0 < i < len(prompts) and prompts[i] == prompts[i - 1]:
+        i += 1
+    return i
 
 
 @torch.no_grad()

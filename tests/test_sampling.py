@@ -224,14 +224,14 @@ def system_prompts(tok: transformers.PreTrainedTokenizerFast) -> list[list[int]]
     return [p for p in out for _ in range(3)]
 
 
-def test_prompt_layout_shares_the_prefix_and_keeps_a_token() -> None:
-    lay = fast_llama.prompt_layout([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4]])
-    assert lay.prefix == (1, 2)
-    assert lay.remainders == ((3, 4), (5,))
-    assert lay.row_prompt == (0, 0, 1, 0)
-    assert lay.width == 2
+def test_prompt_layout_shares_the_prefix_and_the_samples_of_a_prompt() -> None:
+    lay = fast_llama.prompt_layout([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 5], [1, 2, 5]])
+    assert (lay.prefix, lay.remainders, lay.group, lay.width) == ((1, 2), ((3, 4), (5,)), 2, 2)
+    # runs of unequal length: every row keeps its own remainder
+    odd = fast_llama.prompt_layout([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 5]])
+    assert (odd.remainders, odd.group) == (((3, 4), (3, 4), (5,)), 1)
     same = fast_llama.prompt_layout([[7, 8, 9]] * 4)
-    assert same.prefix == (7, 8) and same.remainders == ((9,),)     # one token left to score
+    assert (same.prefix, same.remainders, same.group) == ((7, 8), ((9,),), 4)   # one token left
     assert fast_llama.prompt_layout([[1, 2], [3, 4]]).prefix == ()
 
 
