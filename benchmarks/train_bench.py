@@ -214,18 +214,27 @@ def bench_dpo(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, epochs:
     seconds, metrics, policy, ref = run(pairs, p)
     seqs = [(len(e.prompt_ids) + len(y), len(y)) for e in pairs
             for y in (e.chosen_ids, e.rejected_ids)]
-    counts = param_counts(policy)
-    one_pass = forward_flops(counts, seqs)
-    return {"seconds": seconds, "counts": counts, "train_flops": 3 * p.epochs * one_pass,
-            "nograd_flops": one_pass, "train_tokens": p.epochs * sum(t for t, _ in seqs),
-            "nograd_tokens": sum(t for t, _ in seqs),
-            "loss_first": metrics.get("update/loss_first"),
-            "trained_loss": dpo_losses(policy, ref, pairs[: p.batch_size], p, pad)
-            if loss_check else None,
-            "extra": {"pairs": n_pairs, "epochs": p.epochs, "batch_size": p.batch_size,
-                      "steps": int(metrics["update/steps"]),
-                      "attention_share": attention_share(policy, counts, seqs),
-                      "nograd": "reference log-probs, one pass over the pairs"}}
+    return flop_record(
+        policy, seconds, seqs, p.epochs, 1,
+        {"pairs": n_pairs, "epochs": p.epochs, "batch_size": p.batch_size,
+         "steps": int(metrics["update/steps"]),
+         "nograd": "reference log-probs, one pass over the pairs"},
+        loss_first=metrics.get("update/loss_first"),
+        trained_loss=dpo_losses(policy, ref, pairs[: p.batch_size], p, pad)
+        if loss_check else None)
+
+
+def flop_record(model: torch.nn.Module, seconds: float, seqs: Sequence[tuple[int, int]],
+                train_passes: int, nograd_passes: int, extra: dict[str, Any],
+                **fields: Any) -> dict[str, Any]:
+    """What every update's benchmark reports: FLOPs and tokens of `train_passes` trained and
+    `nograd_passes` no-grad passes over `seqs` ((T, R) per sequence), plus `fields`."""
+    counts = param_counts(model)
+    one_pass, tokens = forward_flops(counts, seqs), sum(t for t, _ in seqs)
+    return {"seconds": seconds, "counts": counts, "train_flops": 3 * train_passes * one_pass,
+            "nograd_flops": nograd_passes * one_pass, "train_tokens": train_passes * tokens,
+            "nograd_tokens": nograd_passes * tokens, **fields,
+            "extra": {**extra, "attention_share": attention_share(model, counts, seqs)}}
 
 
 def bench_rm(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, p: Any,
@@ -244,17 +253,14 @@ def bench_rm(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, p: Any,
     seconds, metrics, model = run(pairs, p)
     seqs = [(len(e.prompt_ids) + len(y), 0) for e in pairs
             for y in (e.chosen_ids, e.rejected_ids)]                     # no lm_head: R unused
-    counts = param_counts(model)
-    return {"seconds": seconds, "counts": counts,
-            "train_flops": 3 * p.epochs * forward_flops(counts, seqs), "nograd_flops": 0.0,
-            "train_tokens": p.epochs * sum(t for t, _ in seqs), "nograd_tokens": 0,
-            "loss_first": metrics.get("loss_first"),
-            "trained_loss": rm_losses(model, pairs[: p.batch_size], p, tok.pad_token_id)
-            if loss_check else None,
-            "extra": {"pairs": n_pairs, "epochs": p.epochs, "batch_size": p.batch_size,
-                      "steps": int(metrics["steps"]),
-                      "attention_share": attention_share(model, counts, seqs),
-                      "nograd": "none (held-out metrics are computed outside train_reward)"}}
+    return flop_record(
+        model, seconds, seqs, p.epochs, 0,
+        {"pairs": n_pairs, "epochs": p.epochs, "batch_size": p.batch_size,
+         "steps": int(metrics["steps"]),
+         "nograd": "none (held-out metrics are computed outside train_reward)"},
+        loss_first=metrics.get("loss_first"),
+        trained_loss=rm_losses(model, pairs[: p.batch_size], p, tok.pad_token_id)
+        if loss_check else None)
 
 
 def bench_ppo(model_dir: Path, samples: Sequence[Rollout], n_rollouts: int, epochs: int,
@@ -279,17 +285,13 @@ def bench_ppo(model_dir: Path, samples: Sequence[Rollout], n_rollouts: int, epoc
     run(rollouts[:WARMUP], scores[:WARMUP], replace(p, epochs=1))            # warm-up
     seconds, metrics, policy = run(rollouts, scores, p)
     seqs = [(len(r.prompt_ids) + len(r.response_ids), len(r.response_ids)) for r in rollouts]
-    counts = param_counts(policy)
-    one_pass, epochs_run = forward_flops(counts, seqs), int(metrics["update/epochs_run"])
-    return {"seconds": seconds, "counts": counts, "train_flops": 3 * epochs_run * one_pass,
-            "nograd_flops": 2 * one_pass, "train_tokens": epochs_run * sum(t for t, _ in seqs),
-            "nograd_tokens": 2 * sum(t for t, _ in seqs), "loss_first": None,
-            "loss_last": metrics.get("update/loss_last"), "trained_loss": None,
-            "extra": {"rollouts": n_rollouts, "epochs": p.epochs,
-                      "minibatch_size": p.minibatch_size, "steps": int(metrics["update/steps"]),
-                      "attention_share": attention_share(policy, counts, seqs),
-                      "nograd": "pi_old log-probs + values, and reference log-probs: two "
-                                "passes over the rollouts"}}
+    return flop_record(
+        policy, seconds, seqs, int(metrics["update/epochs_run"]), 2,
+        {"rollouts": n_rollouts, "epochs": p.epochs, "minibatch_size": p.minibatch_size,
+         "steps": int(metrics["update/steps"]),
+         "nograd": "pi_old log-probs + values, and reference log-probs: two passes over the "
+                   "rollouts"},
+        loss_first=None, loss_last=metrics.get("update/loss_last"), trained_loss=None)
 
 
 # 5. all of them, each against the peak measured around it ---------------------------------
