@@ -18,7 +18,8 @@ FLOP convention ("model FLOPs", PaLM-style; stated again in the result):
   and value pass and its reference pass): 1x. Both are reported (`train_flops`,
   `nograd_flops`) and MFU uses their sum.
 - attention's score and value matmuls are not counted: at T ~ 90 they would add ~1-2%
-  (`attention_share`). Tokens are real (unpadded) tokens: padding computed on is waste.
+  (`attention_share`). Tokens are real (unpadded) tokens: padding computed on is waste. A
+  DPO or RM pair is one packed row, its prompt counted once (`lm.pack_pairs` computes it once).
 
 Timing: one warm-up call of the function on two items (one small step: allocator, lazy
 inits, first optimizer state), then the timed call on the full input. The timed call is the
@@ -212,8 +213,7 @@ def bench_dpo(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, epochs:
 
     run(pairs[:WARMUP], replace(p, epochs=1))                                # warm-up
     seconds, metrics, policy, ref = run(pairs, p)
-    seqs = [(len(e.prompt_ids) + len(y), len(y)) for e in pairs
-            for y in (e.chosen_ids, e.rejected_ids)]
+    seqs = [packed_row(e, True) for e in pairs]
     return flop_record(
         policy, seconds, seqs, p.epochs, 1,
         {"pairs": n_pairs, "epochs": p.epochs, "batch_size": p.batch_size,
@@ -222,6 +222,13 @@ def bench_dpo(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, epochs:
         loss_first=metrics.get("update/loss_first"),
         trained_loss=dpo_losses(policy, ref, pairs[: p.batch_size], p, pad)
         if loss_check else None)
+
+
+def packed_row(pair: Any, head: bool) -> tuple[int, int]:
+    """(T, R) of a pair as the DPO and RM updates compute it: one packed row, the prompt once
+    and both responses (`lm.pack_pairs`); R = both responses where lm_head runs, else 0."""
+    r = len(pair.chosen_ids) + len(pair.rejected_ids)
+    return len(pair.prompt_ids) + r, r if head else 0
 
 
 def flop_record(model: torch.nn.Module, seconds: float, seqs: Sequence[tuple[int, int]],
@@ -251,8 +258,7 @@ def bench_rm(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, p: Any,
 
     run(pairs[:WARMUP], replace(p, epochs=1))                                # warm-up
     seconds, metrics, model = run(pairs, p)
-    seqs = [(len(e.prompt_ids) + len(y), 0) for e in pairs
-            for y in (e.chosen_ids, e.rejected_ids)]                     # no lm_head: R unused
+    seqs = [packed_row(e, False) for e in pairs]                      # no lm_head: R = 0
     return flop_record(
         model, seconds, seqs, p.epochs, 0,
         {"pairs": n_pairs, "epochs": p.epochs, "batch_size": p.batch_size,

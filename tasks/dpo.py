@@ -21,8 +21,9 @@ from tasks.reward_model import EncodedPair, RewardModel, reward_mean_std
 
 def _pair_logprobs(model: torch.nn.Module, batch: Sequence[EncodedPair], pad_id: int,
                    per_token_mean: bool = False) -> tuple[Tensor, Tensor]:
-    """Completion log-probs of chosen and rejected, each (B,), one forward pass: summed over
-    the completion's tokens, or their mean when `per_token_mean` (IPO)."""
+    """Completion log-probs of chosen and rejected, each (B,), one forward pass in which each
+    pair's prompt is computed once for both sides (`lm.pack`): summed over the completion's
+    tokens, or their mean when `per_token_mean` (IPO)."""
     prompts = [e.prompt_ids for e in batch] * 2
     responses = [e.chosen_ids for e in batch] + [e.rejected_ids for e in batch]
     logp, mask = lm.response_logprobs(model, prompts, responses, pad_id)     # (2B, R)

@@ -6,10 +6,10 @@ import hashlib
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tasks.errors import InputError
@@ -102,33 +102,102 @@ def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tenso
     return ids, mask
 
 
+@dataclass(frozen=True)
+class Packed:
+    """Responses that share a prompt, packed into one row: [x | y_1 | ... | y_k | pad]. Each
+    y_j's positions continue from x and y_j attends x and itself only, so every response sees
+    exactly what its own [x | y_j] row would, while x is computed once per row (K samples of a
+    prompt, or a preference pair's two sides, cost |x| + sum |y_j| tokens, not K |x| + ...)."""
+    ids: Tensor                 # (G, T) one row per distinct prompt, right-padded
+    positions: Tensor           # (G, T) position ids
+    attention: Tensor           # (G, 1, T, T) bool: query t may attend key s
+    rows: Tensor                # (N,) each response's row, in input order
+    prompt_ends: list[int]      # (N) position of its prompt's last token
+    starts: list[int]           # (N) position of its first token
+    lengths: list[int]          # (N) its token count
+
+    def predictors(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Per response, the positions whose outputs predict its tokens (the prompt's last for
+        the first token, then its own), its tokens' positions and the mask, each (N, R)."""
+        n, width = len(self.lengths), max(self.lengths, default=0)
+        pred = torch.zeros((n, width), dtype=torch.long)
+        at = torch.zeros((n, width), dtype=torch.long)
+        mask = torch.zeros((n, width))
+        for i, (end, start, length) in enumerate(zip(self.prompt_ends, self.starts,
+                                                     self.lengths)):
+            if length:
+                pred[i, :length] = torch.tensor([end] + list(range(start, start + length - 1)))
+                at[i, :length] = torch.arange(start, start + length)
+                mask[i, :length] = 1
+        return pred, at, mask
+
+    def last_positions(self) -> Tensor:
+        """(N,) position of each response's last token (its prompt's last when empty)."""
+        return torch.tensor([s + n - 1 if n else e for e, s, n in
+                             zip(self.prompt_ends, self.starts, self.lengths)])
+
+
+def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+         pad_id: int) -> Packed:
+    """Group the responses by identical prompt and pack each group into one row (Packed)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(tuple(p), []).append(i)
+    n = len(prompts)
+    rows, ends, starts = [0] * n, [0] * n, [0] * n
+    seqs, segs, poss = [], [], []
+    for g, (prompt, members) in enumerate(groups.items()):
+        seq, seg, pos = list(prompt), [0] * len(prompt), list(range(len(prompt)))
+        for j, i in enumerate(members, start=1):
+            r = list(responses[i])
+            rows[i], ends[i], starts[i] = g, len(prompt) - 1, len(seq)
+            seq += r
+            seg += [j] * len(r)
+            pos += range(len(prompt), len(prompt) + len(r))
+        seqs.append(seq)
+        segs.append(seg)
+        poss.append(pos)
+    ids, _ = pad_right(seqs, pad_id)                                        # (G, T)
+    t = ids.shape[1]
+    segment = torch.full(ids.shape, -1, dtype=torch.long)                   # -1: padding
+    positions = torch.zeros(ids.shape, dtype=torch.long)
+    for g, (seg, pos) in enumerate(zip(segs, poss)):
+        segment[g, : len(seg)] = torch.tensor(seg, dtype=torch.long)
+        positions[g, : len(pos)] = torch.tensor(pos, dtype=torch.long)
+    causal = torch.ones((t, t), dtype=torch.bool).tril()                    # key s <= query t
+    seg_q, seg_k = segment[:, :, None], segment[:, None, :]                 # (G, T, 1), (G, 1, T)
+    attention = causal & ((seg_k == 0) | (seg_k == seg_q))                  # prompt, or own
+    return Packed(ids, positions, attention[:, None], torch.tensor(rows, dtype=torch.long),
+                  ends, starts, [len(r) for r in responses])
+
+
+def packed_logprobs(model: torch.nn.Module, pk: Packed,
+                    temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Per-token log-probs (N, R) and mask (N, R) of the packed responses, one forward pass.
+    Only positions that predict a response token get logits: the lm_head and the softmax over
+    the vocabulary are skipped for the prompt before its last token."""
+    first = min(pk.prompt_ends)                   # the earliest position predicting a token
+    logits = model(input_ids=pk.ids, attention_mask=pk.attention, position_ids=pk.positions,
+                   logits_to_keep=pk.ids.shape[1] - first).logits
+    logits = logits.float() / temperature                                # (G, T - first, V)
+    pred, at, mask = pk.predictors()                                     # (N, R) each
+    rows = pk.rows[:, None]                                              # (N, 1)
+    tokens = pk.ids[rows, at]                                            # (N, R) y_t
+    lse = logits.logsumexp(-1)                                           # (G, T - first)
+    logp = logits[rows, pred - first, tokens] - lse[rows, pred - first]  # log pi(y_t | x, y_<t)
+    return logp * mask, mask
+
+
 def response_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
                       responses: Sequence[Sequence[int]], pad_id: int,
                       temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """Per-token log-probs of each response given its prompt.
+    """Per-token log-probs of each response given its prompt, responses to the same prompt
+    packed into one row (`pack`).
 
     Returns logprobs (B, R) and a response mask (B, R), R = longest response; entries past a
     response's end are 0 in both. Differentiable when grad is enabled.
     """
-    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
-    ids, mask = pad_right(seqs, pad_id)                                  # (B, T)
-    # only positions that predict a response token need logits: the lm_head and the
-    # softmax over the vocabulary are skipped for the shared prompt prefix
-    first = min(len(p) for p in prompts) - 1
-    keep = ids.shape[1] - first
-    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits[:, :-1]
-    logits = logits.float() / temperature                                # (B, K-1, V)
-    targets = ids[:, first + 1:, None]                                   # (B, K-1, 1)
-    token_logp = logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
-    width = max(len(r) for r in responses)
-    rmask = torch.zeros((len(seqs), width))
-    rows = []
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        start = len(p) - 1 - first              # logit at position t predicts token t+1
-        rows.append(token_logp[i, start: start + len(r)])
-        rmask[i, : len(r)] = 1
-    out = torch.stack([F.pad(row, (0, width - row.numel())) for row in rows])
-    return out, rmask
+    return packed_logprobs(model, pack(prompts, responses, pad_id), temperature)
 
 
 def sequence_logprob(model: torch.nn.Module, prompts: Sequence[Sequence[int]],

@@ -186,10 +186,8 @@ def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
     policy.train()
     for _ in range(p.epochs):
         epochs_run += 1
-        order = torch.randperm(len(rs), generator=rng)
-        for s in range(0, len(order), p.minibatch_size):
-            loss, st = minibatch_loss(policy, head, exp, order[s: s + p.minibatch_size], p,
-                                      pad_id, temperature)
+        for idx in prompt_minibatches(exp.prompts, p.minibatch_size, rng):
+            loss, st = minibatch_loss(policy, head, exp, idx, p, pad_id, temperature)
             if p.target_kl > 0 and st["approx_kl"] > p.target_kl:
                 stopped = True                                             # early stop
                 break
@@ -202,6 +200,27 @@ def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
     policy.eval()
     metrics.update(_summary(stats, epochs_run, stopped, len(rs), n_reused, sc))
     return metrics
+
+
+def prompt_minibatches(prompts: Sequence[Sequence[int]], size: int,
+                       rng: torch.Generator) -> list[Tensor]:
+    """A random partition of the batch into minibatches of whole prompt groups (the K
+    rollouts of a prompt stay together, so a minibatch's forward computes each prompt once,
+    `lm.pack`): groups in random order, cut once a minibatch holds at least `size` rollouts."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, x in enumerate(prompts):
+        groups.setdefault(tuple(x), []).append(i)
+    members = list(groups.values())
+    out: list[Tensor] = []
+    current: list[int] = []
+    for g in torch.randperm(len(members), generator=rng).tolist():
+        current += members[g]
+        if len(current) >= size:
+            out.append(torch.tensor(current))
+            current = []
+    if current:
+        out.append(torch.tensor(current))
+    return out
 
 
 def _select(rollouts: list[Rollout], scores: Tensor, reused: list[Rollout],

@@ -100,13 +100,24 @@ def save_reward_model(members: Sequence[transformers.PreTrainedModel], path: Pat
 
 def _single_rewards(model: transformers.PreTrainedModel, prompts: Sequence[Sequence[int]],
                     responses: Sequence[Sequence[int]], pad_id: int) -> Tensor:
-    ids, mask = lm.pad_right([list(p) + list(r) for p, r in zip(prompts, responses)], pad_id)
+    """r(x, y) per response (B,), read at its last token; responses to the same prompt (a
+    pair's two sides) share one packed row, the prompt computed once (`lm.pack`)."""
+    pk = lm.pack(prompts, responses, pad_id)
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state     # (B, T, H)
-    last = mask.sum(-1) - 1                                                     # (B,)
-    h_last = hidden[torch.arange(ids.shape[0]), last]                           # (B, H)
-    r = model.score(h_last).squeeze(-1)                                         # (B,)
+    hidden = backbone(input_ids=pk.ids, attention_mask=pk.attention,
+                      position_ids=pk.positions).last_hidden_state           # (G, T, H)
+    h_last = hidden[pk.rows, pk.last_positions()]                           # (B, H)
+    r = model.score(h_last).squeeze(-1)                                     # (B,)
     return r.float() if r.dtype == torch.bfloat16 else r         # autocast: back to fp32
+
+
+def member_pair_rewards(model: RewardModel, batch: Sequence[EncodedPair],
+                        pad_id: int) -> tuple[Tensor, Tensor]:
+    """Every member k's r_k(x, y_c) and r_k(x, y_r), each (K, B), both sides in one forward."""
+    b = len(batch)
+    r = member_rewards(model, [e.prompt_ids for e in batch] * 2,
+                       [e.chosen_ids for e in batch] + [e.rejected_ids for e in batch], pad_id)
+    return r[:, :b], r[:, b:]
 
 
 def member_rewards(model: RewardModel, prompts: Sequence[Sequence[int]],
@@ -164,9 +175,7 @@ def heldout_split(pairs: Sequence[PreferencePair], fraction: float
 
 def _margins(model: RewardModel, batch: Sequence[EncodedPair], pad_id: int) -> Tensor:
     """r_k(x, y_c) - r_k(x, y_r) per member, shape (K, B); differentiable."""
-    prompts = [e.prompt_ids for e in batch]
-    r_c = member_rewards(model, prompts, [e.chosen_ids for e in batch], pad_id)
-    r_r = member_rewards(model, prompts, [e.rejected_ids for e in batch], pad_id)
+    r_c, r_r = member_pair_rewards(model, batch, pad_id)
     return r_c - r_r
 
 
@@ -230,14 +239,9 @@ def pair_rewards(model: RewardModel, data: Sequence[EncodedPair], pad_id: int,
     k = len(model) if isinstance(model, RewardEnsemble) else 1
     if not data:
         return torch.zeros(k, 0), torch.zeros(k, 0)
-    prompts = [e.prompt_ids for e in data]
-    chosen, rejected = [], []
-    for s in range(0, len(data), batch_size):
-        chosen.append(member_rewards(model, prompts[s: s + batch_size],
-                                     [e.chosen_ids for e in data[s: s + batch_size]], pad_id))
-        rejected.append(member_rewards(model, prompts[s: s + batch_size],
-                                       [e.rejected_ids for e in data[s: s + batch_size]], pad_id))
-    return torch.cat(chosen, dim=1), torch.cat(rejected, dim=1)
+    both = [member_pair_rewards(model, data[s: s + batch_size], pad_id)
+            for s in range(0, len(data), batch_size)]
+    return torch.cat([c for c, _ in both], dim=1), torch.cat([r for _, r in both], dim=1)
 
 
 def ensemble_metrics(model: RewardModel, train: Sequence[EncodedPair],

@@ -71,17 +71,13 @@ def logprobs_and_values(policy: torch.nn.Module, head: ValueHead,
     """One forward pass: per-token log-probs (B, R), values (B, R) and response mask (B, R).
 
     values[:, t] = V(s_t), s_t = prompt + response[:t], read at the position whose logits
-    predict response token t (the same position lm.response_logprobs reads).
+    predict response token t (the same position the log-prob is read at). Responses to the same
+    prompt share one packed row (`lm.pack`), the prompt computed once.
     """
     tap = _HiddenTap(policy)
-    logprobs, mask = lm.response_logprobs(tap, prompts, responses, pad_id,  # type: ignore[arg-type]
-                                          temperature)
+    pk = lm.pack(prompts, responses, pad_id)
+    logprobs, mask = lm.packed_logprobs(tap, pk, temperature)  # type: ignore[arg-type]
     hidden = tap.hidden.detach()                                         # critic: a probe
-    width = mask.shape[1]
-    rows = []
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        start = len(p) - 1
-        h = hidden[i, start: start + len(r)]                             # (len(r), H)
-        rows.append(torch.nn.functional.pad(h, (0, 0, 0, width - len(r))))
-    values = head(torch.stack(rows)) * mask                              # (B, R)
+    pred, _, _ = pk.predictors()                                         # (B, R)
+    values = head(hidden[pk.rows[:, None], pred]) * mask                 # (B, R)
     return logprobs, values, mask

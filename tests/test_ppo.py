@@ -22,8 +22,8 @@ from tasks import (collect_offpolicy, judge, jsonl, layout, prepare_model, promp
                    reference_samples, rollout, stage, train_rm, update, value_head)
 from tasks.losses import ppo_clip_loss, ppo_value_loss
 from tasks.params import PPOParams, ReuseParams
-from tasks.ppo import (REPLAY_FILE, gae, make_experience, minibatch_loss, shape_scores,
-                       token_rewards, train_ppo)
+from tasks.ppo import (REPLAY_FILE, gae, make_experience, minibatch_loss, prompt_minibatches,
+                       shape_scores, token_rewards, train_ppo)
 from tasks.records import Message, Rollout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +31,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 def t(*xs: float) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.float64)
+
+
+# --- minibatches of whole prompt groups ------------------------------------------------------
+
+def test_prompt_minibatches_partition_the_batch_by_whole_groups() -> None:
+    # 5 prompts with 3, 3, 2, 3, 1 rollouts, interleaved as a replay batch would be
+    prompts = [(1,), (1,), (2,), (1,), (2,), (2,), (3,), (3,), (4,), (4,), (4,), (5,)]
+    batches = prompt_minibatches(prompts, 4, torch.Generator().manual_seed(0))
+    flat = [i for b in batches for i in b.tolist()]
+    assert sorted(flat) == list(range(len(prompts)))                  # every rollout once
+    for b in batches:                                                 # groups never split
+        ids = {prompts[i] for i in b.tolist()}
+        assert sum(prompts.count(x) for x in ids) == len(b)
+    assert all(len(b) >= 4 for b in batches[:-1])                     # cut at >= size
+    again = prompt_minibatches(prompts, 4, torch.Generator().manual_seed(0))
+    other = prompt_minibatches(prompts, 4, torch.Generator().manual_seed(1))
+    assert [b.tolist() for b in again] == [b.tolist() for b in batches]
+    assert [b.tolist() for b in other] != [b.tolist() for b in batches]
 
 
 # --- GAE and rewards --------------------------------------------------------------------------

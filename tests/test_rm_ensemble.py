@@ -44,7 +44,8 @@ def test_margin_bradley_terry_exact_value() -> None:
 class _Backbone(torch.nn.Module):
     """hidden state = the token id itself (H = 1): the reward is w * (last real token id)."""
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> SimpleNamespace:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor,
+                position_ids: Tensor | None = None) -> SimpleNamespace:
         return SimpleNamespace(last_hidden_state=input_ids.double()[..., None])   # (B, T, 1)
 
 

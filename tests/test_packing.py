@@ -1,0 +1,123 @@
+"""Shared-prompt packing (`lm.pack`): responses to one prompt (K rollouts, a pair's two sides)
+share one row with the prompt computed once, and each response gets exactly what its own
+[prompt | response] forward gives: log-probs and their gradients, values, reward scores."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tasks import lm
+from tasks.params import TinyModelParams
+from tasks.reward_model import EncodedPair, RewardEnsemble, member_pair_rewards, member_rewards
+from tasks.tiny_model import build_tiny_model
+from tasks.value_head import ValueHead, logprobs_and_values
+
+VOCAB = 300
+
+
+def _ids(g: torch.Generator, n: int) -> list[int]:
+    return [int(x) for x in torch.randint(3, VOCAB, (n,), generator=g)]
+
+
+@pytest.fixture()
+def batch() -> tuple[list[list[int]], list[list[int]]]:
+    """Three distinct prompts of different lengths; the first has three responses (one of
+    length 1), the second two, the third one; input order interleaves them."""
+    g = torch.Generator().manual_seed(1)
+    x = [_ids(g, 5), _ids(g, 9), _ids(g, 3)]
+    plan = [(0, 4), (1, 1), (0, 6), (2, 2), (0, 1), (1, 3)]          # (prompt, response length)
+    return [x[i] for i, _ in plan], [_ids(g, n) for _, n in plan]
+
+
+def _policy() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    return build_tiny_model(TinyModelParams(), VOCAB, {"bos": 1, "eos": 2, "pad": 0}, 0)
+
+
+def _one_by_one(model: torch.nn.Module, prompts: list[list[int]],
+                responses: list[list[int]]) -> torch.Tensor:
+    """Each response in its own forward pass (nothing to share), padded to (B, R)."""
+    width = max(len(r) for r in responses)
+    rows = [lm.response_logprobs(model, [p], [r], pad_id=0)[0][0] for p, r in
+            zip(prompts, responses)]
+    return torch.stack([torch.nn.functional.pad(row, (0, width - len(row))) for row in rows])
+
+
+def test_pack_layout(batch) -> None:
+    prompts, responses = batch
+    pk = lm.pack(prompts, responses, pad_id=0)
+    assert pk.ids.shape[0] == 3                          # one row per distinct prompt
+    assert pk.rows.tolist() == [0, 1, 0, 2, 0, 1]
+    # row 0 = [x0 | y0 | y2 | y4]: |x| + sum |y| tokens, not 3 |x| + sum |y|
+    x0, y0, y2, y4 = prompts[0], responses[0], responses[2], responses[4]
+    assert pk.ids[0, : 5 + 4 + 6 + 1].tolist() == x0 + y0 + y2 + y4
+    assert pk.positions[0, : 16].tolist() == (list(range(9)) + list(range(5, 11)) + [5])
+    assert pk.starts[2] == 9 and pk.prompt_ends[2] == 4
+    att = pk.attention[0, 0]
+    assert att[9, :5].all() and att[9, 9]                # y2's first token: the prompt, itself
+    assert not att[9, 5:9].any()                         # never y0
+    assert not att[15, 5:15].any()                       # y4: neither y0 nor y2
+    assert not att[4, 5:].any()                          # causal
+    assert pk.last_positions().tolist()[:3] == [8, 9, 14]
+
+
+def test_packed_logprobs_equal_one_by_one(batch) -> None:
+    prompts, responses = batch
+    model = _policy()
+    logp, mask = lm.response_logprobs(model, prompts, responses, pad_id=0)
+    assert mask.sum(-1).tolist() == [float(len(r)) for r in responses]
+    assert torch.allclose(logp, _one_by_one(model, prompts, responses), atol=1e-6)
+    assert float(logp.detach().abs().sum()) > 0
+
+
+def test_packed_logprob_gradients_equal_one_by_one(batch) -> None:
+    prompts, responses = batch
+    model = _policy()
+    weights = torch.linspace(-1.0, 2.0, len(responses))[:, None]           # mixes the rows
+
+    def grads(logp: torch.Tensor) -> list[torch.Tensor]:
+        model.zero_grad()
+        (weights * logp).sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    packed = grads(lm.response_logprobs(model, prompts, responses, pad_id=0)[0])
+    separate = grads(_one_by_one(model, prompts, responses))
+    assert len(packed) == len(separate) > 0
+    for a, b in zip(packed, separate):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_packed_values_read_at_the_predicting_positions(batch) -> None:
+    prompts, responses = batch
+    model, head = _policy(), ValueHead(TinyModelParams().hidden_size)
+    torch.nn.init.normal_(head.linear.weight, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        lp, v, m = logprobs_and_values(model, head, prompts, responses, pad_id=0)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            out = model(input_ids=torch.tensor([p + r]), output_hidden_states=True)
+            h = out.hidden_states[-1][0, len(p) - 1: len(p) - 1 + len(r)]    # predicts r
+            assert torch.allclose(v[i, : len(r)], head(h[None])[0], atol=1e-5)
+            assert float(v[i, len(r):].abs().sum()) == 0.0
+
+
+def test_packed_reward_scores_equal_one_by_one(batch) -> None:
+    prompts, responses = batch
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64,
+                                      num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    ens = RewardEnsemble([transformers.LlamaForSequenceClassification(config).eval()
+                          for _ in range(2)])
+    pairs = [EncodedPair(tuple(prompts[i]), tuple(responses[i]), tuple(responses[j]))
+             for i, j in ((0, 2), (1, 5))]
+    with torch.no_grad():
+        r_all = member_rewards(ens, prompts, responses, pad_id=0)                # (K, B)
+        alone = torch.cat([member_rewards(ens, [p], [r], pad_id=0)
+                           for p, r in zip(prompts, responses)], dim=1)
+        r_c, r_r = member_pair_rewards(ens, pairs, pad_id=0)                     # (K, 2)
+    assert r_all.shape == (2, 6)
+    assert torch.allclose(r_all, alone, atol=1e-5)
+    assert torch.allclose(r_c, alone[:, [0, 1]], atol=1e-5)
+    assert torch.allclose(r_r, alone[:, [2, 5]], atol=1e-5)
+    assert not torch.allclose(r_c, r_r)
