@@ -7,7 +7,8 @@ Sections (each prints progress lines; the last line of stdout is one JSON object
 - `train`: model-FLOP utilisation of the DPO, reward-model and PPO updates against the peak
   measured right before each (benchmarks/train_bench.py: FLOP convention in its docstring);
 - `rollout`: new tokens/s of the rollout sampler over plain `model.generate`, same model,
-  batch and sampling settings, and the stored log-probs against a full forward pass
+  prompts, K, batch and sampling settings as the default profile's rollout stage (--quick: 48
+  rows, batch <= 48), and the stored log-probs against a full forward pass
   (benchmarks/rollout_bench.py);
 - `cached`: a fully cached rerun of the tiny profile through the CLI, split into interpreter,
   imports, the command itself and exit, against a standalone Prefect server whose start-up is
@@ -43,6 +44,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks import isolation, report  # noqa: E402
 
 CACHE = REPO / "benchmarks" / ".cache"
+ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("train", "rollout", "cached", "scaling")
 
 
@@ -92,8 +94,13 @@ def rollout_section(model_dir: Path, quick: bool) -> dict[str, Any] | None:
     except ImportError as e:
         log(f"rollout: benchmarks/rollout_bench.py is not importable ({e}); section skipped")
         return None
-    sizes = dict(n_prompts=12, k=4, max_new_tokens=40, batch_size=48) if quick else \
-        dict(n_prompts=48, k=4, max_new_tokens=40, batch_size=192)
+    from tasks.params import load_params
+    r = load_params(ROOT / "params" / "default.yaml").rollout    # the rollout stage's settings
+    sizes = dict(n_prompts=r.n_prompts, k=r.samples_per_prompt,
+                 max_new_tokens=r.generation.max_new_tokens, batch_size=r.generation.batch_size)
+    if quick:
+        sizes.update(n_prompts=max(1, 48 // r.samples_per_prompt),
+                     batch_size=min(48, r.generation.batch_size))
     out = measure_rollout(model_dir, seed=0, **sizes)
     log(f"rollout: sampler {out['sampler_tok_s']:.0f} vs generate {out['generate_tok_s']:.0f} "
         f"new tokens/s: x{out['rollout_speedup']:.2f}; log-prob error "
