@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -276,8 +277,28 @@ def reproduce(root: Path, name: str, force: bool = False,
             # DVC removed the outputs before running; put the last good (locked) ones back
             with contextlib.suppress(Exception):
                 repo.checkout(targets=[name], force=True)
+            remove_unlocked_outputs(root, name, [str(o.def_path) for o in stage.outs])
             raise StageFailed(name) from None
     return StageRun(name, "restored" if in_run_cache else "ran", time.perf_counter() - t0)
+
+
+def remove_unlocked_outputs(root: Path, name: str, outs: list[str]) -> list[str]:
+    """After a failed run: remove the outputs that no dvc.lock entry of the stage vouches for.
+    They are the failed run's partial products (the stage never succeeded, or the output is
+    new), and left in place nothing would ignore them: the next commit's `git add` would stage a
+    model directory into git. Returns the removed paths."""
+    locked = {str(o.get("path")) for o in read_lock(root).get(name, {}).get("outs", [])}
+    removed = []
+    for out in outs:
+        path = root / out
+        if out in locked or not (path.exists() or path.is_symlink()):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed.append(out)
+    return removed
 
 
 class StageFailed(RuntimeError):

@@ -1,0 +1,83 @@
+"""flows/dag.py on a minimal git + DVC repo: a stage that fails leaves no output behind that its
+lock does not vouch for (the partial products of a failed run would otherwise be picked up by
+the iteration commit's `git add -A`), keeps its locked outputs, and a later run succeeds."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows import dag
+
+
+def _sh(root: Path, *args: str) -> str:
+    return subprocess.run(args, cwd=root, check=True, capture_output=True, text=True).stdout
+
+
+def _declare(root: Path, fail: bool, after_command: bool = False) -> None:
+    """A stage writing out/model.bin (a directory output, like a model). fail: its command
+    exits 1; after_command: the command succeeds but DVC fails afterwards, while saving the
+    outputs (a declared output is missing; a full disk fails there too), so `out` is written."""
+    script = ("import os, sys; os.makedirs('out', exist_ok=True); "
+              "open('out/model.bin', 'w').write(open('src.txt').read()); "
+              f"sys.exit({1 if fail and not after_command else 0})")
+    outs = ["out", "also.txt"] if fail and after_command else ["out"]
+    stage = {"cmd": f'{sys.executable} -c "{script}"', "deps": ["src.txt"], "outs": outs}
+    (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"make": stage}}))
+
+
+@pytest.fixture()
+def repo(tmp_path: Path) -> Path:
+    root = tmp_path / "ws"
+    root.mkdir()
+    _sh(root, "git", "init", "-q")
+    _sh(root, sys.executable, "-m", "dvc", "init", "-q")
+    _sh(root, sys.executable, "-m", "dvc", "config", "core.analytics", "false")
+    (root / "src.txt").write_text("v1")
+    return root
+
+
+@pytest.mark.parametrize("after_command", [False, True])
+@pytest.mark.parametrize("checkout_fails", [False, True])
+def test_failed_first_run_leaves_no_unlocked_output(repo: Path, after_command: bool,
+                                                   checkout_fails: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    if checkout_fails:      # as on a full disk, where the restoring checkout fails as well
+        def no_space(*args: object, **kwargs: object) -> None:
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr("dvc.repo.Repo.checkout", no_space)
+    _declare(repo, fail=True, after_command=after_command)
+    with pytest.raises(dag.StageFailed, match="stage make failed"):
+        dag.reproduce(repo, "make")
+    assert not (repo / "out").exists()                   # the partial product is gone
+    _sh(repo, "git", "add", "-A")                        # what commit_iteration does
+    assert "out/" not in _sh(repo, "git", "diff", "--cached", "--name-only")
+    monkeypatch.undo()
+    _declare(repo, fail=False)
+    assert dag.reproduce(repo, "make").outcome == "ran"
+    assert (repo / "out" / "model.bin").read_text() == "v1"
+    assert "out" in dag.read_lock(repo)["make"]["outs"][0]["path"]
+
+
+def test_failed_rerun_keeps_the_locked_output(repo: Path) -> None:
+    _declare(repo, fail=False)
+    dag.reproduce(repo, "make")
+    (repo / "src.txt").write_text("v2")
+    _declare(repo, fail=True)
+    with pytest.raises(dag.StageFailed):
+        dag.reproduce(repo, "make")
+    assert (repo / "out" / "model.bin").read_text() == "v1"   # the last good one, back
+
+
+def test_remove_unlocked_outputs_only_touches_unlocked_paths(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x").write_text("1")
+    (tmp_path / "b.txt").write_text("2")
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump(
+        {"schema": "2.0", "stages": {"s": {"outs": [{"path": "b.txt", "md5": "0"}]}}}))
+    removed = dag.remove_unlocked_outputs(tmp_path, "s", ["a", "b.txt", "missing"])
+    assert removed == ["a"]
+    assert not (tmp_path / "a").exists() and (tmp_path / "b.txt").exists()
