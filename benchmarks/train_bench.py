@@ -19,7 +19,7 @@ FLOP convention ("model FLOPs", PaLM-style; stated again in the result):
   `nograd_flops`) and MFU uses their sum.
 - attention's score and value matmuls are not counted: at T ~ 90 they would add ~1-2%
   (`attention_share`). Tokens are real (unpadded) tokens: padding computed on is waste. A
-  DPO or RM pair is one packed row, its prompt counted once (`lm.pack_pairs` computes it once).
+  DPO or RM pair is one packed row, its prompt counted once (`lm.pack` computes it once).
 
 Timing: one warm-up call of the function on two items (one small step: allocator, lazy
 inits, first optimizer state), then the timed call on the full input. The timed call is the
@@ -226,7 +226,7 @@ def bench_dpo(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, epochs:
 
 def packed_row(pair: Any, head: bool) -> tuple[int, int]:
     """(T, R) of a pair as the DPO and RM updates compute it: one packed row, the prompt once
-    and both responses (`lm.pack_pairs`); R = both responses where lm_head runs, else 0."""
+    and both responses (`lm.pack`); R = both responses where lm_head runs, else 0."""
     r = len(pair.chosen_ids) + len(pair.rejected_ids)
     return len(pair.prompt_ids) + r, r if head else 0
 
