@@ -137,16 +137,22 @@ class Packed:
                              zip(self.prompt_ends, self.starts, self.lengths)])
 
 
-def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-         pad_id: int) -> Packed:
-    """Group the responses by identical prompt and pack each group into one row (Packed)."""
+def prompt_groups(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Indices of identical prompts, grouped, in order of first appearance."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(tuple(p), []).append(i)
+    return list(groups.values())
+
+
+def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+         pad_id: int) -> Packed:
+    """Group the responses by identical prompt and pack each group into one row (Packed)."""
     n = len(prompts)
     rows, ends, starts = [0] * n, [0] * n, [0] * n
     seqs, segs, poss = [], [], []
-    for g, (prompt, members) in enumerate(groups.items()):
+    for g, members in enumerate(prompt_groups(prompts)):
+        prompt = prompts[members[0]]
         seq, seg, pos = list(prompt), [0] * len(prompt), list(range(len(prompt)))
         for j, i in enumerate(members, start=1):
             r = list(responses[i])

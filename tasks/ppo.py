@@ -207,10 +207,7 @@ def prompt_minibatches(prompts: Sequence[Sequence[int]], size: int,
     """A random partition of the batch into minibatches of whole prompt groups (the K
     rollouts of a prompt stay together, so a minibatch's forward computes each prompt once,
     `lm.pack`): groups in random order, cut once a minibatch holds at least `size` rollouts."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, x in enumerate(prompts):
-        groups.setdefault(tuple(x), []).append(i)
-    members = list(groups.values())
+    members = lm.prompt_groups(prompts)
     out: list[Tensor] = []
     current: list[int] = []
     for g in torch.randperm(len(members), generator=rng).tolist():
