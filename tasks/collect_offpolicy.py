@@ -49,7 +49,8 @@ def cold_start(p: Params, root: Path) -> tuple[list[PreferencePair], dict[str, f
     rollouts = sample_rollouts(model, tok, prompts, p.offpolicy.samples_per_prompt,
                                p.offpolicy.generation, p.model.max_prompt_tokens,
                                lm.weights_md5(policy_dir), 0, stage.generator(p.seed, 0))
-    return judge_groups(make_judge(p.judge), rollout_groups(rollouts, 0), "cold_start")
+    return judge_groups(make_judge(p.judge), rollout_groups(rollouts, 0), "cold_start",
+                        p.judge.pairs_per_prompt)
 
 
 def main(argv: list[str] | None = None) -> None:

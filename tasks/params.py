@@ -79,6 +79,7 @@ class JudgeParams:
     tie_margin: float = 0.05       # |score_a - score_b| below this is a tie
     min_words: int = 1             # responses with fewer words are judged invalid
     off_topic_penalty: float = 1.0  # lexicon_topic: subtracted when no title word is mentioned
+    pairs_per_prompt: int = 1      # i-th best vs i-th worst of K, i < this (disjoint ranks)
 
 
 @dataclass(frozen=True)
@@ -372,12 +373,16 @@ def _check_ranges(p: Params, b: _Builder) -> None:
         ("rollout", "samples_per_prompt"): p.rollout.samples_per_prompt,
         ("train_rm", "lr"): p.train_rm.lr, ("update", "dpo", "beta"): p.update.dpo.beta,
         ("update", "ppo", "clip"): p.update.ppo.clip,
+        ("judge", "pairs_per_prompt"): p.judge.pairs_per_prompt,
     }
     for path, value in positive.items():
         if value <= 0:
             b.fail(path, f"must be > 0, got {value}")
     if p.rollout.samples_per_prompt < 2:
         b.fail(("rollout", "samples_per_prompt"), "need at least 2 samples to form a pair")
+    if 2 * p.judge.pairs_per_prompt > p.rollout.samples_per_prompt:
+        b.fail(("judge", "pairs_per_prompt"), f"{p.judge.pairs_per_prompt} disjoint pairs need "
+               f"{2 * p.judge.pairs_per_prompt} samples, rollout has {p.rollout.samples_per_prompt}")
     if not 0.0 < p.train_rm.heldout_fraction < 1.0:
         b.fail(("train_rm", "heldout_fraction"), "must be in (0, 1)")
     _check_dpo_and_rm(p, b)

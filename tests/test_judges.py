@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tasks.judge import best_vs_worst, judge_groups
+from tasks.judge import judge_groups, ranked_pairs
 from tasks.judges import (LexiconJudge, Verdict, judge_pair, make_judge, verdict_from_scores,
                           verdict_rates)
 from tasks.params import JudgeParams
@@ -156,43 +156,63 @@ def test_win_rate_without_valid_verdicts_is_nan() -> None:
     assert wr["win_rate"] != wr["win_rate"] and wr["n_invalid"] == 2
 
 
-# --- best vs worst ----------------------------------------------------------------------------
+# --- ranked pairs (best vs worst, ...) ---------------------------------------------------------
 
 def test_best_vs_worst_picks_max_and_min() -> None:
     judge = TableJudge({"meh": 0.1, "best": 0.9, "worst": -0.8, "ok": 0.3})
-    pair, verdict, scores = best_vs_worst(judge, PROMPT, ["meh", "best", "worst", "ok"],
-                                          "iter_1", {"prompt_id": "p1"})
-    assert verdict == "A" and scores == [0.1, 0.9, -0.8, 0.3]
-    assert pair is not None
+    pairs, verdicts, scores = ranked_pairs(judge, PROMPT, ["meh", "best", "worst", "ok"],
+                                           "iter_1", {"prompt_id": "p1"})
+    assert verdicts == ["A"] and scores == [0.1, 0.9, -0.8, 0.3]
+    [pair] = pairs
     assert (pair.chosen, pair.rejected, pair.source, pair.prompt) == \
         ("best", "worst", "iter_1", PROMPT)
     assert pair.meta["prompt_id"] == "p1" and pair.meta["judge"] == "table:1"
     assert (pair.meta["score_chosen"], pair.meta["score_rejected"]) == (0.9, -0.8)
+    assert pair.meta["pair_rank"] == 0
+
+
+def test_ranked_pairs_take_disjoint_ranks_inward() -> None:
+    scores = {"a": 0.9, "b": 0.7, "c": 0.5, "d": 0.3, "e": -0.2, "f": -0.6, "g": 0.0}
+    judge = TableJudge(scores)
+    pairs, verdicts, _ = ranked_pairs(judge, PROMPT, list("abcdefg"), "s", {}, n_pairs=3)
+    assert [(p.chosen, p.rejected) for p in pairs] == [("a", "f"), ("b", "e"), ("c", "g")]
+    assert verdicts == ["A", "A", "A"] and [p.meta["pair_rank"] for p in pairs] == [0, 1, 2]
+    # more pairs than disjoint ranks allow: capped at valid // 2
+    pairs, verdicts, _ = ranked_pairs(judge, PROMPT, ["a", "b", "f"], "s", {}, n_pairs=3)
+    assert [(p.chosen, p.rejected) for p in pairs] == [("a", "f")] and verdicts == ["A"]
+
+
+def test_ranked_pairs_drop_inner_ties() -> None:
+    judge = TableJudge({"top": 0.9, "mid1": 0.31, "mid2": 0.30, "low": -0.5}, tie_margin=0.05)
+    pairs, verdicts, _ = ranked_pairs(judge, PROMPT, ["mid1", "top", "low", "mid2"], "s", {},
+                                      n_pairs=2)
+    assert [(p.chosen, p.rejected) for p in pairs] == [("top", "low")]
+    assert verdicts == ["A", "tie"]
 
 
 def test_best_vs_worst_skips_invalid_responses() -> None:
     judge = TableJudge({"a": 0.2, "b": 0.5, "c": -0.1})
-    pair, verdict, scores = best_vs_worst(judge, PROMPT, ["a", "broken", "b", "c"], "s", {})
-    assert scores[1] is None and verdict == "A"
-    assert pair is not None and (pair.chosen, pair.rejected) == ("b", "c")
+    pairs, verdicts, scores = ranked_pairs(judge, PROMPT, ["a", "broken", "b", "c"], "s", {})
+    assert scores[1] is None and verdicts == ["A"]
+    assert [(p.chosen, p.rejected) for p in pairs] == [("b", "c")]
 
 
 def test_best_vs_worst_no_pair_when_all_scores_tie() -> None:
     judge = TableJudge({"x": 0.3, "y": 0.3, "z": 0.3})
-    pair, verdict, _ = best_vs_worst(judge, PROMPT, ["x", "y", "z"], "s", {})
-    assert pair is None and verdict == "tie"
+    pairs, verdicts, _ = ranked_pairs(judge, PROMPT, ["x", "y", "z"], "s", {})
+    assert pairs == [] and verdicts == ["tie"]
 
 
 def test_best_vs_worst_no_pair_within_tie_margin() -> None:
     judge = TableJudge({"x": 0.30, "y": 0.32}, tie_margin=0.05)
-    pair, verdict, _ = best_vs_worst(judge, PROMPT, ["x", "y"], "s", {})
-    assert pair is None and verdict == "tie"
+    pairs, verdicts, _ = ranked_pairs(judge, PROMPT, ["x", "y"], "s", {})
+    assert pairs == [] and verdicts == ["tie"]
 
 
 def test_best_vs_worst_needs_two_valid_responses() -> None:
     judge = TableJudge({"x": 0.3})
-    pair, verdict, _ = best_vs_worst(judge, PROMPT, ["x", "nope", "nada"], "s", {})
-    assert pair is None and verdict == "invalid"
+    pairs, verdicts, _ = ranked_pairs(judge, PROMPT, ["x", "nope", "nada"], "s", {})
+    assert pairs == [] and verdicts == ["invalid"]
 
 
 def test_judge_groups_metrics() -> None:
@@ -202,11 +222,21 @@ def test_judge_groups_metrics() -> None:
               (PROMPT, ["good", "junk"], {"prompt_id": "p3"})]
     pairs, m = judge_groups(judge, groups, "iter_2")
     assert [(p.chosen, p.rejected) for p in pairs] == [("good", "bad")]
-    assert m["judge/n"] == 3 and m["judge/n_pairs"] == 1
+    assert m["judge/n"] == 3 and m["judge/n_pairs"] == 1 and m["judge/n_prompts_with_pair"] == 1
     assert (m["judge/n_A"], m["judge/n_tie"], m["judge/n_invalid"]) == (1, 1, 1)
     assert m["judge/n_responses"] == 6
     assert m["judge/invalid_response_rate"] == pytest.approx(1 / 6)
     assert m["judge/mean_score"] == pytest.approx((1 - 1 + 0 + 0 + 1) / 5)
+
+
+def test_judge_groups_two_pairs_per_prompt() -> None:
+    judge = TableJudge({"a": 1.0, "b": 0.5, "c": 0.0, "d": -1.0})
+    groups = [(PROMPT, ["c", "a", "d", "b"], {"prompt_id": "p1"}),
+              (PROMPT, ["a", "d"], {"prompt_id": "p2"})]
+    pairs, m = judge_groups(judge, groups, "iter_1", pairs_per_prompt=2)
+    assert [(p.chosen, p.rejected, p.meta["prompt_id"]) for p in pairs] == \
+        [("a", "d", "p1"), ("b", "c", "p1"), ("a", "d", "p2")]
+    assert m["judge/n"] == 3 and m["judge/n_pairs"] == 3 and m["judge/n_prompts_with_pair"] == 2
 
 
 def test_title_words_and_mentions() -> None:

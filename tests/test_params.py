@@ -122,6 +122,13 @@ def test_out_of_range(tmp_path: Path) -> None:
     assert load_error(path).startswith(f"{path}:6: train_rm.lr: must be > 0")
 
 
+def test_more_disjoint_pairs_than_samples_allow(tmp_path: Path) -> None:
+    text = BASE + "rollout:\n  samples_per_prompt: 4\njudge:\n  pairs_per_prompt: 3\n"
+    path = write(tmp_path, text)
+    assert load_error(path).startswith(f"{path}:14: judge.pairs_per_prompt: 3 disjoint pairs "
+                                       "need 6 samples, rollout has 4")
+
+
 def test_non_utf8_bytes(tmp_path: Path) -> None:
     data = BASE.replace("  epochs: 2\n", "  epochs: 2   # caf\xe9\n").encode("latin-1")
     path = write(tmp_path, data)
