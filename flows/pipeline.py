@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from flows import dag, registry
+from flows import dag, registry, targets
 from flows.workspace import Workspace, git
 from tasks import layout
 from tasks.params import load_params
@@ -55,6 +55,8 @@ def run_stage(root: str, name: str, force: bool = False) -> dag.StageRun:
     session = dag.session_for(Path(root), str(run_id)) if run_id else None
     result = dag.reproduce(Path(root), name, force=force, session=session)
     say(f"[{result.outcome}] {name} ({result.seconds:.1f} s)")
+    if result.outcome == "ran":            # at once: a later failure must not lose the timing
+        targets.record_seconds(Path(root), [result], dag.read_lock(Path(root)))
     return result
 
 

@@ -1,13 +1,26 @@
 """The efficacy bar (`targets:` in params) checked against the last iteration's evaluation and
-the run's wall time: what `alignloop run` prints at the end, met or missed, with the numbers."""
+the loop's wall time: what `alignloop run` prints at the end, met or missed, with the numbers.
+
+The wall time is what each loop stage took when it computed the outputs dvc.lock now holds,
+recorded in `.alignloop/stage_seconds.json` beside the lock entry it produced. So a run resumed
+after a failure, or one that found some stages cached, still counts every iteration's full
+cost; a stage whose outputs were restored (DVC's run cache or remote) has no timing here and
+leaves the total untimed rather than under-counted.
+"""
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from flows.workspace import STATE_DIR
+from tasks import atomic
 from tasks.params import TargetParams
 
 SETUP_STAGES = ("prompts", "prepare_model", "collect_offpolicy", "reference_samples")
+SECONDS_FILE = "stage_seconds.json"      # in .alignloop/: stage -> {seconds, lock fingerprint}
 
 
 @dataclass(frozen=True)
@@ -25,6 +38,47 @@ def iteration_minutes(stage_seconds: Mapping[str, float]) -> float:
     """Wall time of the loop's stages (set-up stages excluded), stage name -> seconds."""
     return sum(s for name, s in stage_seconds.items()
                if name.split("@")[0] not in SETUP_STAGES) / 60.0
+
+
+def _seconds_path(root: Path) -> Path:
+    return Path(root) / STATE_DIR / SECONDS_FILE
+
+
+def _read_seconds(root: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(_seconds_path(root).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):    # none yet, or unreadable: untimed
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def record_seconds(root: Path, runs: Iterable[Any], lock: Mapping[str, Any]) -> None:
+    """Remember the wall time of every stage that computed its outputs in `runs` (StageRuns),
+    keyed to the lock entry it produced; cached and restored stages keep what they had."""
+    from flows.registry import fingerprint    # imports MLflow: only where a run records
+    ran = {r.name: r.seconds for r in runs if r.outcome == "ran" and r.name in lock}
+    if not ran:
+        return
+    data = _read_seconds(root)
+    for name, seconds in ran.items():
+        data[name] = {"seconds": float(seconds), "lock": fingerprint(dict(lock), [name])}
+    atomic.write_json(_seconds_path(root), data)
+
+
+def recorded_seconds(root: Path, names: Sequence[str], lock: Mapping[str, Any]
+                     ) -> tuple[dict[str, float], list[str]]:
+    """(stage -> seconds) for the stages whose recorded timing belongs to their current lock
+    entry, and the names of those without one (never computed here, or restored)."""
+    from flows.registry import fingerprint
+    data = _read_seconds(root)
+    timed, untimed = {}, []
+    for name in names:
+        entry = data.get(name)
+        if isinstance(entry, dict) and entry.get("lock") == fingerprint(dict(lock), [name]):
+            timed[name] = float(entry["seconds"])
+        else:
+            untimed.append(name)
+    return timed, untimed
 
 
 def check(m: Mapping[str, float], p: TargetParams, minutes: float | None) -> list[Check]:

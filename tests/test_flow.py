@@ -49,6 +49,20 @@ def test_second_run_is_fully_cached_and_changes_nothing(tiny_run):
     assert tiny_run["after"] == tiny_run["before"]
 
 
+def test_cached_rerun_still_counts_the_loop_minutes_it_recorded(tiny_run):
+    import re
+
+    def minutes(out: str) -> tuple[str, str]:
+        value = re.search(r"\] iteration minutes = ([0-9.]+)", out)
+        computed = re.search(r"this run computed (\d+) of (\d+)", out)
+        assert value and computed, out[-800:]
+        return value.group(1), f"{computed.group(1)}/{computed.group(2)}"
+
+    first, second = minutes(tiny_run["first"].stdout), minutes(tiny_run["second"].stdout)
+    assert float(first[0]) > 0 and first[0] == second[0]     # the same recorded stage times
+    assert first[1] == "12/12" and second[1] == "0/12"
+
+
 def test_status_reports_every_stage_up_to_date(tiny_run):
     proc = run_cli("status", "--workspace", str(tiny_run["ws"]), "--json")
     states = json.loads(proc.stdout)

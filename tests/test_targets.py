@@ -29,3 +29,31 @@ def test_iteration_minutes_excludes_setup() -> None:
     secs = {"prompts": 5.0, "prepare_model": 30.0, "collect_offpolicy": 60.0,
             "reference_samples": 60.0, "rollout@1": 60.0, "update@1": 120.0}
     assert iteration_minutes(secs) == 3.0
+
+
+def test_recorded_seconds_follow_the_lock_entry(tmp_path) -> None:
+    from flows.dag import StageRun
+    from flows.targets import record_seconds, recorded_seconds
+    lock = {"rollout@1": {"outs": [{"md5": "a"}]}, "update@1": {"outs": [{"md5": "b"}]}}
+    names = ["rollout@1", "update@1"]
+    assert recorded_seconds(tmp_path, names, lock) == ({}, names)     # nothing recorded yet
+    record_seconds(tmp_path, [StageRun("rollout@1", "ran", 40.0),
+                              StageRun("update@1", "restored", 2.0)], lock)
+    # a resumed run: rollout@1 is cached now, and its earlier time still counts
+    record_seconds(tmp_path, [StageRun("rollout@1", "cached", 0.1)], lock)
+    assert recorded_seconds(tmp_path, names, lock) == ({"rollout@1": 40.0}, ["update@1"])
+    record_seconds(tmp_path, [StageRun("update@1", "ran", 80.0)], lock)
+    timed, untimed = recorded_seconds(tmp_path, names, lock)
+    assert timed == {"rollout@1": 40.0, "update@1": 80.0} and untimed == []
+    assert iteration_minutes(timed) == 2.0
+    # outputs that changed since (restored from another run's cache): the timing is not theirs
+    changed = {**lock, "update@1": {"outs": [{"md5": "c"}]}}
+    assert recorded_seconds(tmp_path, names, changed) == ({"rollout@1": 40.0}, ["update@1"])
+
+
+def test_unreadable_timings_file_means_untimed(tmp_path) -> None:
+    from flows.targets import SECONDS_FILE, recorded_seconds
+    from flows.workspace import STATE_DIR
+    (tmp_path / STATE_DIR).mkdir()
+    (tmp_path / STATE_DIR / SECONDS_FILE).write_text("{not json")
+    assert recorded_seconds(tmp_path, ["rollout@1"], {"rollout@1": {}}) == ({}, ["rollout@1"])
