@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 from flows import workspace as wsmod
 from flows.report import collect_report
-from flows.targets import check, iteration_minutes
+from flows.targets import SETUP_STAGES, check, iteration_minutes, recorded_seconds
 from tasks.errors import InputError
 from tasks.params import load_params
 
@@ -66,25 +68,34 @@ def _run_flow(ws: wsmod.Workspace, force: list[str]) -> int:
             print(f"  iteration {it['iteration']}: policy v{it['policy_version']}, "
                   f"reward model v{it['reward_model_version']}, commit {it['git_commit'][:10]}")
     _print_report(ws.root)
-    seconds = {s["name"]: s["seconds"] for it in summaries for s in it["stages"]
-               if s["outcome"] == "ran"}
-    _print_targets(ws.root, seconds)
+    _print_targets(ws.root, [s["name"] for it in summaries for s in it["stages"]],
+                   {s["name"] for it in summaries for s in it["stages"] if s["outcome"] == "ran"})
     return 0
 
 
-def _print_targets(root: Path, ran_seconds: dict[str, float]) -> None:
-    """The last iteration against the profile's efficacy bar (`targets:`), met or missed."""
+def _print_targets(root: Path, stages: list[str], ran: set[str]) -> None:
+    """The last iteration against the profile's efficacy bar (`targets:`), met or missed. The
+    loop's minutes are each stage's recorded time for the outputs it holds (flows/targets.py),
+    so a resumed or partly cached run still counts what the whole loop cost."""
+    from flows.dag import read_lock
     report = collect_report(root)
     last = max((k for k in report if k != "0"), key=int, default=None)
     if last is None:
         return
-    loop = [n for n in ran_seconds if "@" in n]
-    minutes = iteration_minutes(ran_seconds) if loop else None     # cached: nothing was timed
+    loop = [n for n in stages if n.split("@")[0] not in SETUP_STAGES]
+    timed, untimed = recorded_seconds(root, loop, read_lock(root))
+    minutes = iteration_minutes(timed) if loop and not untimed else None
     checks = check(report[last], load_params(root / "params.yaml").targets, minutes)
     met = sum(c.met for c in checks)
     print(f"targets (iteration {last}): {met} of {len(checks)} met")
     for c in checks:
         print(c.line())
+    if untimed:
+        print(f"  [untimed] iteration minutes: no recorded time for {', '.join(untimed)} "
+              "(outputs restored, not computed here)")
+    elif loop:
+        print(f"  (minutes: each loop stage's time when it computed its outputs; this run "
+              f"computed {len([n for n in loop if n in ran])} of {len(loop)})")
 
 
 def _quiet_prefect() -> None:
@@ -323,8 +334,28 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _end_children_on_sigterm() -> None:
+    """`kill PID` (SIGTERM) of the CLI ends what it started, as Ctrl-C does for a terminal's
+    process group: the running stage's process and the Prefect server. Python's default is to
+    die at once, which left a stage training on and writing into the workspace after its
+    workspace lock was gone (found killing a run by hand)."""
+    def handler(signum: int, frame: object) -> None:
+        import psutil
+        children = psutil.Process().children(recursive=True)
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.terminate()
+        _, alive = psutil.wait_procs(children, timeout=10)
+        for child in alive:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    _end_children_on_sigterm()
     from flows.aliases import AliasError
     from flows.dag import StageFailed
     from flows.lineage import LineageError

@@ -1,10 +1,14 @@
-"""Bad input through the CLI: a clear error naming file, line and field; nothing touched."""
+"""Bad input through the CLI: a clear error naming file, line and field; nothing touched. A
+killed run ends what it started."""
 from __future__ import annotations
 
+import contextlib
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import TINY, run_cli, snapshot
+from conftest import ROOT, TINY, run_cli, snapshot
 
 
 def _bad_params(tmp_path: Path, old: str, new: str) -> Path:
@@ -61,3 +65,38 @@ def test_malformed_import_data_names_file_and_line_and_keeps_stored_pairs(tiny_r
     assert "data/import/pairs.jsonl:2: field 'chosen' is empty" in proc.stderr
     assert "stage collect_offpolicy failed" in proc.stderr
     assert pool.read_bytes() == stored
+
+
+def test_sigterm_ends_the_running_stage_and_the_prefect_server(tmp_path):
+    """`kill PID` of a run must not leave its stage process writing into the workspace."""
+    import signal
+    import time
+
+    import psutil
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--params", str(TINY),
+                             "--workspace", str(tmp_path / "ws")], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def cmd(p: psutil.Process) -> str:
+        with contextlib.suppress(psutil.Error):
+            return " ".join(p.cmdline())
+        return ""
+
+    children: list[psutil.Process] = []
+    try:
+        cli = psutil.Process(proc.pid)
+        deadline, stage = time.monotonic() + 120, None
+        while stage is None and time.monotonic() < deadline and proc.poll() is None:
+            children = cli.children(recursive=True)
+            stage = next((c for c in children if "tasks." in cmd(c)), None)
+            time.sleep(0.05)
+        assert stage is not None, "no stage process seen"
+        children = cli.children(recursive=True)       # the stage and the Prefect server
+        assert len(children) >= 2, [cmd(c) for c in children]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert alive == [], [cmd(c) for c in alive]
+    finally:                                          # a failure must not leak processes
+        for p in [*children, psutil.Process(proc.pid)] if proc.poll() is None else children:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
