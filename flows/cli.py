@@ -148,7 +148,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.html:
         from flows.report import build_report, report_dir
         root = _existing(args.workspace).root
-        print(build_report(root, report_dir(root)))
+        print(build_report(root, report_dir(root), force=True))
     elif args.json:
         print(json.dumps(collect_report(root), indent=2, sort_keys=True))
     else:

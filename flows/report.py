@@ -394,9 +394,33 @@ def render_html(root: Path, rows: Sequence[Row], suspects: Sequence[int],
     return "\n".join(parts)
 
 
-def build_report(workspace: Path, out_dir: Path) -> Path:
-    """Write report.html and its PNG plots into `out_dir`; returns the HTML's path."""
+INPUTS_NAME = "inputs.md5"       # beside report.html: what the last build was made from
+
+
+def inputs_md5(root: Path) -> str:
+    """md5 of everything a build reads: the metrics and gate files, the evaluation samples, the
+    workspace's HEAD (shown on the page) and this module's own source."""
+    import hashlib
+    h = hashlib.md5(Path(__file__).read_bytes())
+    if (root / ".git").exists():
+        h.update(git(root, "rev-parse", "HEAD", check=False).encode())
+    files = [root / layout.OFFPOLICY_METRICS, *sorted((root / "metrics").glob("iter_*/*.json")),
+             *sorted((root / "data").glob("iter_*/" + Path(layout.eval_samples(1)).name))]
+    for f in files:
+        if f.is_file():
+            h.update(f"{f.relative_to(root)}\0".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def build_report(workspace: Path, out_dir: Path, force: bool = False) -> Path:
+    """Write report.html and its PNG plots into `out_dir`; returns the HTML's path. When the
+    inputs are those of the last build and its files are there, nothing is rendered again
+    (a fully cached rerun spent ~1 s in matplotlib for the same page); `force` always builds."""
     root = Path(workspace)
+    out, key_path, key = out_dir / HTML_NAME, out_dir / INPUTS_NAME, inputs_md5(root)
+    if not force and out.is_file() and key_path.is_file() and key_path.read_text() == key:
+        return out
     rows, suspects = _rows_with_suspects(root)
     plots = render_plots(rows, suspects) if rows else {}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -406,8 +430,8 @@ def build_report(workspace: Path, out_dir: Path) -> Path:
             atomic.write_bytes(path, plots[name])
         else:
             path.unlink(missing_ok=True)
-    out = out_dir / HTML_NAME
     atomic.write_text(out, render_html(root, rows, suspects, plots))
+    atomic.write_text(key_path, key)
     return out
 
 

@@ -130,6 +130,27 @@ def test_plots_are_png_files_and_inlined(workspace, tmp_path):
         assert f"href='{name}.png'" in page
 
 
+def test_unchanged_inputs_are_not_rendered_again(workspace, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    first = report.build_report(workspace, out).read_text()
+
+    def fail(*_: object) -> None:
+        raise AssertionError("rendered again")
+    monkeypatch.setattr(report, "render_plots", fail)
+    assert report.build_report(workspace, out).read_text() == first       # same inputs: kept
+    with pytest.raises(AssertionError, match="rendered again"):          # forced: rebuilt
+        report.build_report(workspace, out, force=True)
+    for change in (lambda: atomic.write_json(workspace / layout.metrics(3, "update"),
+                                             {"update/steps": 5.0}),
+                   lambda: jsonl.write(workspace / layout.eval_samples(3), [_sample(0)])):
+        key = (out / report.INPUTS_NAME).read_text()
+        change()                                  # a metric or a sample changed: rebuilt
+        monkeypatch.undo()
+        report.build_report(workspace, out)
+        assert (out / report.INPUTS_NAME).read_text() != key
+        monkeypatch.setattr(report, "render_plots", fail)
+
+
 def test_samples_are_escaped_and_limited_to_the_first_eight(workspace, tmp_path):
     page = report.build_report(workspace, tmp_path / "out").read_text()
     assert "<script>" not in page
