@@ -6,7 +6,10 @@ workspace directory. The profile is params/default.yaml (the real SmolLM2 model,
 sizes, epochs and precision) with the prompt counts scaled: `rollout.n_prompts` = base x s
 (K samples each) and the held-out prompts of `evaluate` (and its Best-of-N baseline) = eval
 base x s. The set-up stages (prompts, prepare_model, collect_offpolicy, reference_samples)
-run untimed before each scale. Peak memory is each stage process's peak RSS (`wait4`); an
+run untimed before each scale. Peak memory is each stage process's own peak RSS (VmHWM of
+/proc/PID/status, polled every 20 ms while it runs: wait4's ru_maxrss is no use here, since
+Linux carries the parent's peak into a child across fork and exec, and the benchmark's own
+process holds models from the train and rollout sections: every stage read 7.9 GB); an
 iteration's is the largest of its stages (they run one after another).
 """
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,6 +61,20 @@ def scaled_params(model_dir: Path, n_prompts: int, n_eval: int, max_prompts: int
     return data
 
 
+def _vm_hwm_kib(pid: int) -> int:
+    """The process's peak resident set (VmHWM, KiB) so far; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _watch_peak(pid: int, done: threading.Event, peak: list[int]) -> None:
+    while not done.wait(0.02):
+        peak[0] = max(peak[0], _vm_hwm_kib(pid))
+
+
 def run_stage(module: str, root: Path, it: int, env: dict[str, str]) -> dict[str, Any]:
     """`python -m tasks.<module> --it IT --root ROOT`: seconds and the process's peak RSS."""
     t0 = time.perf_counter()
@@ -64,10 +82,16 @@ def run_stage(module: str, root: Path, it: int, env: dict[str, str]) -> dict[str
                              "--root", str(root)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None
+    done, peak = threading.Event(), [0]
+    watcher = threading.Thread(target=_watch_peak, args=(proc.pid, done, peak), daemon=True)
+    watcher.start()
     try:
         output = proc.stdout.read()
+        done.set()
+        watcher.join()
         _, status, usage = os.wait4(proc.pid, 0)
     except BaseException:                      # interrupted: leave no stage running
+        done.set()
         proc.kill()
         proc.wait()
         raise
@@ -77,7 +101,8 @@ def run_stage(module: str, root: Path, it: int, env: dict[str, str]) -> dict[str
         raise RuntimeError(f"tasks.{module} --it {it} exited {proc.returncode}:\n"
                            f"{output.decode(errors='replace')[-3000:]}")
     return {"stage": module, "seconds": round(seconds, 2),
-            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}       # Linux: ru_maxrss in KiB
+            "peak_rss_mb": round(peak[0] / 1024, 1),
+            "ru_maxrss_mb": round(usage.ru_maxrss / 1024, 1)}      # an upper bound (see above)
 
 
 def prepare_base(base: Path, env: dict[str, str], params: dict[str, Any]) -> None:

@@ -79,3 +79,24 @@ def test_precision_switch_found_by_type():
     assert with_precision(Lit(), "fp32").precision == "fp32"
     assert with_precision(Flag(), "bf16").autocast is True
     assert with_precision(Nothing(), "bf16") is None
+
+
+def test_stage_peak_memory_is_the_childs_own() -> None:
+    """VmHWM polled while it runs: the child's peak, not the parent's carried over."""
+    import subprocess
+    import sys
+    import threading
+
+    from benchmarks.scaling import _watch_peak
+    ballast = bytearray(400 * 2**20)          # the parent is large; wait4 would report this
+    ballast[:: 4096] = b"x" * len(ballast[:: 4096])
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(150 * 2**20); "
+                              "b[::4096] = b'y' * len(b[::4096]); time.sleep(0.5)"])
+    done, peak = threading.Event(), [0]
+    watcher = threading.Thread(target=_watch_peak, args=(child.pid, done, peak))
+    watcher.start()
+    child.wait()
+    done.set()
+    watcher.join()
+    assert 150 * 1024 <= peak[0] < 300 * 1024, peak[0]       # KiB
+    del ballast
