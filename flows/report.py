@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -166,116 +165,7 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str]], ...] = (
 )
 
 
-# --- plots -------------------------------------------------------------------------------------
-
-Series = tuple[str, str]          # (metric key, legend label)
-PLOTS: tuple[tuple[str, str, str, tuple[Series, ...]], ...] = (
-    ("win_rates", "Win rate vs the reference", "win rate (ties half)",
-     ((JUDGE, "judge"), (GOLD, "gold"))),
-    ("rm_accuracy", "Reward model accuracy", "accuracy",
-     (("rm/accuracy", "held-out"), ("rm/train_accuracy", "train"))),
-    ("on_topic", "On-topic rate", "rate",
-     (("eval/on_topic_rate", "policy"), ("eval/ref_on_topic_rate", "reference"))),
-    ("length", "Response length", "tokens",
-     (("eval/length", "policy"), ("eval/ref_length", "reference"))),
-    ("fluency", "Fluency (reference model's NLL; lower is more fluent)", "nats/token",
-     (("eval/fluency_nll", "policy"), ("eval/ref_fluency_nll", "reference"))),
-)
-
-
-def _axes(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure       # no pyplot: no global figure state in the flow
-    fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.grid(alpha=0.3)
-    return fig, ax
-
-
-def _draw(ax: Any, xs: list[float], ys: list[float], lows: list[float | None],
-          highs: list[float | None], **style: Any) -> None:
-    """A line with 95% interval error bars when every point has both ends."""
-    if all(v is not None for v in lows + highs):
-        err = [[y - lo for y, lo in zip(ys, lows)], [hi - y for y, hi in zip(ys, highs)]]
-        ax.errorbar(xs, ys, yerr=err, capsize=3, **style)
-    else:
-        ax.plot(xs, ys, **style)
-
-
-def _at(row: Row, key: str) -> float | None:
-    return float(row["iteration"]) if key == "iteration" else value(row, key)
-
-
-def _points(rows: Sequence[Row], x: str, y: str) -> list[tuple[Any, Any, Any, Any, int]]:
-    """(x, y, y's CI low, CI high, iteration) of the rows that have both x and y."""
-    return [(_at(r, x), value(r, y), value(r, f"{y}_ci_low"), value(r, f"{y}_ci_high"),
-             r["iteration"]) for r in rows if _at(r, x) is not None and value(r, y) is not None]
-
-
-def _series_plot(rows: Sequence[Row], title: str, ylabel: str, series: Sequence[Series],
-                 suspects: Sequence[int]) -> Any | None:
-    fig, ax = _axes(title, "iteration", ylabel)
-    drawn = False
-    for key, label in series:
-        pts = _points(rows, "iteration", key)
-        if pts:
-            xs, ys, lo, hi, _ = (list(c) for c in zip(*pts))
-            _draw(ax, xs, ys, lo, hi, marker="o", label=label)
-            drawn = True
-    if not drawn:
-        return None
-    if any(k.endswith("win_rate") for k, _ in series):
-        ax.axhline(0.5, color="grey", lw=0.8, ls=":")
-    for n, it in enumerate(suspects):
-        ax.axvspan(it - 0.3, it + 0.3, color="red", alpha=0.15,
-                   label="suspect: judge up, gold not" if n == 0 else None)
-    ax.set_xticks([r["iteration"] for r in rows])
-    ax.legend(fontsize="small")
-    return fig
-
-
-def _reward_vs_kl(rows: Sequence[Row]) -> Any | None:
-    fig, ax = _axes("Reward vs KL to the reference", "KL(policy || reference), nats/response",
-                    "win rate vs the reference")
-    drawn = False
-    for key, label in (("eval/rm_win_rate", "RM win rate"), (GOLD, "gold win rate")):
-        pts = _points(rows, "eval/kl", key)
-        if pts:
-            xs, ys, lo, hi, its = (list(c) for c in zip(*pts))
-            _draw(ax, xs, ys, lo, hi, marker="o", label=label)
-            for x, y, it in zip(xs, ys, its):
-                ax.annotate(f"it {it}", (x, y), textcoords="offset points", xytext=(4, 4),
-                            fontsize="small")
-            drawn = True
-    for key, label in (("eval/bon_win_rate", "best-of-n, judge"),
-                       ("eval/bon_gold_win_rate", "best-of-n, gold")):
-        pts = _points(rows, "eval/bon_kl", key)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="*", ms=12, ls="none",
-                    label=label)
-    if not drawn:
-        return None
-    ax.axhline(0.5, color="grey", lw=0.8, ls=":")
-    ax.legend(fontsize="small")
-    return fig
-
-
-def render_plots(rows: Sequence[Row], suspects: Sequence[int]) -> dict[str, bytes]:
-    """name -> PNG bytes, for each plot that has data."""
-    figs = {name: _series_plot(rows, title, ylabel, series, suspects if name == "win_rates" else ())
-            for name, title, ylabel, series in PLOTS}
-    figs["reward_vs_kl"] = _reward_vs_kl(rows)
-    out = {}
-    for name, fig in figs.items():
-        if fig is not None:
-            buf = io.BytesIO()
-            fig.savefig(buf, format="png", metadata={"Software": None})
-            out[name] = buf.getvalue()
-    return out
-
-
+# the page shows the plots (flows/report_plots.py) in this order
 PLOT_ORDER = ("win_rates", "reward_vs_kl", "rm_accuracy", "on_topic", "length", "fluency")
 
 
@@ -421,6 +311,7 @@ def build_report(workspace: Path, out_dir: Path, force: bool = False) -> Path:
     out, key_path, key = out_dir / HTML_NAME, out_dir / INPUTS_NAME, inputs_md5(root)
     if not force and out.is_file() and key_path.is_file() and key_path.read_text() == key:
         return out
+    from flows.report_plots import render_plots    # matplotlib: only when a page is built
     rows, suspects = _rows_with_suspects(root)
     plots = render_plots(rows, suspects) if rows else {}
     out_dir.mkdir(parents=True, exist_ok=True)

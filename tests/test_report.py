@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_cli
-from flows import report
+from flows import report, report_plots
 from tasks import atomic, jsonl, layout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -136,7 +136,7 @@ def test_unchanged_inputs_are_not_rendered_again(workspace, tmp_path, monkeypatc
 
     def fail(*_: object) -> None:
         raise AssertionError("rendered again")
-    monkeypatch.setattr(report, "render_plots", fail)
+    monkeypatch.setattr(report_plots, "render_plots", fail)
     assert report.build_report(workspace, out).read_text() == first       # same inputs: kept
     with pytest.raises(AssertionError, match="rendered again"):          # forced: rebuilt
         report.build_report(workspace, out, force=True)
@@ -148,7 +148,7 @@ def test_unchanged_inputs_are_not_rendered_again(workspace, tmp_path, monkeypatc
         monkeypatch.undo()
         report.build_report(workspace, out)
         assert (out / report.INPUTS_NAME).read_text() != key
-        monkeypatch.setattr(report, "render_plots", fail)
+        monkeypatch.setattr(report_plots, "render_plots", fail)
 
 
 def test_samples_are_escaped_and_limited_to_the_first_eight(workspace, tmp_path):

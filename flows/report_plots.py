@@ -1,0 +1,119 @@
+"""The report's plots as PNG bytes (flows/report.py lays them out on the page): win rates,
+reward vs KL, RM accuracy, on-topic rate, length and fluency per iteration, with 95% intervals
+where the stages measured them. matplotlib's object API only (no pyplot: no global figure
+state in the flow), imported when a plot is drawn.
+"""
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+from flows.report import GOLD, JUDGE, Row, value
+
+Series = tuple[str, str]          # (metric key, legend label)
+PLOTS: tuple[tuple[str, str, str, tuple[Series, ...]], ...] = (
+    ("win_rates", "Win rate vs the reference", "win rate (ties half)",
+     ((JUDGE, "judge"), (GOLD, "gold"))),
+    ("rm_accuracy", "Reward model accuracy", "accuracy",
+     (("rm/accuracy", "held-out"), ("rm/train_accuracy", "train"))),
+    ("on_topic", "On-topic rate", "rate",
+     (("eval/on_topic_rate", "policy"), ("eval/ref_on_topic_rate", "reference"))),
+    ("length", "Response length", "tokens",
+     (("eval/length", "policy"), ("eval/ref_length", "reference"))),
+    ("fluency", "Fluency (reference model's NLL; lower is more fluent)", "nats/token",
+     (("eval/fluency_nll", "policy"), ("eval/ref_fluency_nll", "reference"))),
+)
+
+
+def _axes(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure       # no pyplot: no global figure state in the flow
+    fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def _draw(ax: Any, xs: list[float], ys: list[float], lows: list[float | None],
+          highs: list[float | None], **style: Any) -> None:
+    """A line with 95% interval error bars when every point has both ends."""
+    if all(v is not None for v in lows + highs):
+        err = [[y - lo for y, lo in zip(ys, lows)], [hi - y for y, hi in zip(ys, highs)]]
+        ax.errorbar(xs, ys, yerr=err, capsize=3, **style)
+    else:
+        ax.plot(xs, ys, **style)
+
+
+def _at(row: Row, key: str) -> float | None:
+    return float(row["iteration"]) if key == "iteration" else value(row, key)
+
+
+def _points(rows: Sequence[Row], x: str, y: str) -> list[tuple[Any, Any, Any, Any, int]]:
+    """(x, y, y's CI low, CI high, iteration) of the rows that have both x and y."""
+    return [(_at(r, x), value(r, y), value(r, f"{y}_ci_low"), value(r, f"{y}_ci_high"),
+             r["iteration"]) for r in rows if _at(r, x) is not None and value(r, y) is not None]
+
+
+def _series_plot(rows: Sequence[Row], title: str, ylabel: str, series: Sequence[Series],
+                 suspects: Sequence[int]) -> Any | None:
+    fig, ax = _axes(title, "iteration", ylabel)
+    drawn = False
+    for key, label in series:
+        pts = _points(rows, "iteration", key)
+        if pts:
+            xs, ys, lo, hi, _ = (list(c) for c in zip(*pts))
+            _draw(ax, xs, ys, lo, hi, marker="o", label=label)
+            drawn = True
+    if not drawn:
+        return None
+    if any(k.endswith("win_rate") for k, _ in series):
+        ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+    for n, it in enumerate(suspects):
+        ax.axvspan(it - 0.3, it + 0.3, color="red", alpha=0.15,
+                   label="suspect: judge up, gold not" if n == 0 else None)
+    ax.set_xticks([r["iteration"] for r in rows])
+    ax.legend(fontsize="small")
+    return fig
+
+
+def _reward_vs_kl(rows: Sequence[Row]) -> Any | None:
+    fig, ax = _axes("Reward vs KL to the reference", "KL(policy || reference), nats/response",
+                    "win rate vs the reference")
+    drawn = False
+    for key, label in (("eval/rm_win_rate", "RM win rate"), (GOLD, "gold win rate")):
+        pts = _points(rows, "eval/kl", key)
+        if pts:
+            xs, ys, lo, hi, its = (list(c) for c in zip(*pts))
+            _draw(ax, xs, ys, lo, hi, marker="o", label=label)
+            for x, y, it in zip(xs, ys, its):
+                ax.annotate(f"it {it}", (x, y), textcoords="offset points", xytext=(4, 4),
+                            fontsize="small")
+            drawn = True
+    for key, label in (("eval/bon_win_rate", "best-of-n, judge"),
+                       ("eval/bon_gold_win_rate", "best-of-n, gold")):
+        pts = _points(rows, "eval/bon_kl", key)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="*", ms=12, ls="none",
+                    label=label)
+    if not drawn:
+        return None
+    ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def render_plots(rows: Sequence[Row], suspects: Sequence[int]) -> dict[str, bytes]:
+    """name -> PNG bytes, for each plot that has data."""
+    figs = {name: _series_plot(rows, title, ylabel, series, suspects if name == "win_rates" else ())
+            for name, title, ylabel, series in PLOTS}
+    figs["reward_vs_kl"] = _reward_vs_kl(rows)
+    out = {}
+    for name, fig in figs.items():
+        if fig is not None:
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", metadata={"Software": None})
+            out[name] = buf.getvalue()
+    return out
