@@ -44,7 +44,6 @@ sys.path.insert(0, str(REPO))
 from benchmarks import isolation, report  # noqa: E402
 
 CACHE = REPO / "benchmarks" / ".cache"
-ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("train", "rollout", "cached", "scaling")
 ROLLOUT_REPEATS = 3    # alternating sampler/generate passes: generate alone swung 120-164 tok/s
 
@@ -96,7 +95,7 @@ def rollout_section(model_dir: Path, quick: bool) -> dict[str, Any] | None:
         log(f"rollout: benchmarks/rollout_bench.py is not importable ({e}); section skipped")
         return None
     from tasks.params import load_params
-    r = load_params(ROOT / "params" / "default.yaml").rollout    # the rollout stage's settings
+    r = load_params(REPO / "params" / "default.yaml").rollout    # the rollout stage's settings
     sizes = dict(n_prompts=r.n_prompts, k=r.samples_per_prompt,
                  max_new_tokens=r.generation.max_new_tokens, batch_size=r.generation.batch_size)
     if quick:
@@ -106,7 +105,7 @@ def rollout_section(model_dir: Path, quick: bool) -> dict[str, Any] | None:
     log(f"rollout: sampler {out['sampler_tok_s']:.0f} vs generate {out['generate_tok_s']:.0f} "
         f"new tokens/s (fastest of {out['repeats']} alternating passes each): "
         f"x{out['rollout_speedup']:.2f}, per pass "
-        f"{', '.join(f'x{r:.2f}' for r in out['speedup_per_pass'])}; log-prob error "
+        f"{', '.join(f'x{x:.2f}' for x in out['speedup_per_pass'])}; log-prob error "
         f"{out['logprob_max_abs_err']:.2e}")
     return {**out, "settings": {**sizes, "temperature": 1.0, "top_p": 1.0}}
 

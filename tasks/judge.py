@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     path = str(root / layout.rollouts(it))
     rollouts = [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
     groups = rollout_groups(rollouts, it)
-    p = args.params.judge
-    pairs, metrics = judge_groups(make_judge(p), groups, f"iter_{it}", p.pairs_per_prompt)
+    jp = args.params.judge
+    pairs, metrics = judge_groups(make_judge(jp), groups, f"iter_{it}", jp.pairs_per_prompt)
     pool_path = str(root / layout.pairs_pool(it - 1))
     pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
     jsonl.write(root / layout.pairs(it), (p.to_record() for p in pairs))
