@@ -118,10 +118,15 @@ class Packed:
 
     def predictors(self) -> tuple[Tensor, Tensor, Tensor]:
         """Per response, the positions whose outputs predict its tokens (the prompt's last for
-        the first token, then its own), its tokens' positions and the mask, each (N, R)."""
+        the first token, then its own), its tokens' positions and the mask, each (N, R).
+
+        Slots past a response's end (mask 0) point at its prompt's last position, never before
+        it: callers that keep outputs from the earliest prompt end on (`packed_logprobs`) index
+        at `pred - min(prompt_ends)` >= 0."""
         n, width = len(self.lengths), max(self.lengths, default=0)
-        pred = torch.zeros((n, width), dtype=torch.long)
-        at = torch.zeros((n, width), dtype=torch.long)
+        ends = torch.tensor(self.prompt_ends, dtype=torch.long)[:, None]     # (N, 1)
+        pred = ends.expand(n, width).clone()
+        at = ends.expand(n, width).clone()
         mask = torch.zeros((n, width))
         for i, (end, start, length) in enumerate(zip(self.prompt_ends, self.starts,
                                                      self.lengths)):

@@ -30,9 +30,12 @@ def batch() -> tuple[list[list[int]], list[list[int]]]:
     return [x[i] for i, _ in plan], [_ids(g, n) for _, n in plan]
 
 
+SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
 def _policy() -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    return build_tiny_model(TinyModelParams(), VOCAB, {"bos": 1, "eos": 2, "pad": 0}, 0)
+    return build_tiny_model(TinyModelParams(), VOCAB, SPECIAL, 0)
 
 
 def _one_by_one(model: torch.nn.Module, prompts: list[list[int]],
@@ -121,3 +124,98 @@ def test_packed_reward_scores_equal_one_by_one(batch) -> None:
     assert torch.allclose(r_c, alone[:, [0, 1]], atol=1e-5)
     assert torch.allclose(r_r, alone[:, [2, 5]], atol=1e-5)
     assert not torch.allclose(r_c, r_r)
+
+
+# --- property: any prompt and response lengths -------------------------------------------------
+
+def _random_plan(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Chat-sized prompts (25-90 tokens: SmolLM2's template with its system prompt is ~30 plus
+    the request) with 1-4 responses each, in a shuffled order: several prompt groups, unequal
+    response lengths, a one-token response in every plan. Even seeds keep every response
+    shorter than every prompt (the shape that crashed), odd seeds draw 1-60 tokens freely."""
+    g = torch.Generator().manual_seed(seed)
+    groups = [_ids(g, int(torch.randint(25, 91, (1,), generator=g)))
+              for _ in range(int(torch.randint(1, 5, (1,), generator=g)))]
+    cap = min(len(x) for x in groups) - 1 if seed % 2 == 0 else 60
+    prompts, responses = [], []
+    for j, x in enumerate(groups):
+        lengths = torch.randint(1, cap + 1, (int(torch.randint(1, 5, (1,), generator=g)),),
+                                generator=g).tolist()
+        if j == 0:
+            lengths[0] = 1
+        for n in lengths:
+            prompts.append(x)
+            responses.append(_ids(g, n))
+    order = torch.randperm(len(prompts), generator=g).tolist()
+    return [prompts[i] for i in order], [responses[i] for i in order]
+
+
+def _unpacked(model: torch.nn.Module, prompt: list[int], response: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(y_t | x, y_<t) (|y|,) and the last hidden states predicting them (|y|, H), from a
+    plain forward over [x | y] with no packing, mask or position ids."""
+    out = model(input_ids=torch.tensor([prompt + response]), output_hidden_states=True)
+    logp = out.logits[0].float().log_softmax(-1)                             # (T, V)
+    pred = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return logp[pred, torch.tensor(response)], out.hidden_states[-1][0, pred]
+
+
+def test_reported_lengths_no_longer_crash() -> None:
+    """The user's case: a 43-token prompt with responses of 12 and 5 tokens (IndexError before:
+    padded slots were read at position 0 of logits that start at the prompt's end)."""
+    g = torch.Generator().manual_seed(3)
+    x, y1, y2 = _ids(g, 43), _ids(g, 12), _ids(g, 5)
+    model = _policy()
+    with torch.no_grad():
+        logp, mask = lm.response_logprobs(model, [x, x], [y1, y2], pad_id=0)
+        for i, y in enumerate((y1, y2)):
+            assert torch.allclose(logp[i, : len(y)], _unpacked(model, x, y)[0], atol=1e-5)
+    assert mask.sum(-1).tolist() == [12.0, 5.0]
+    assert float(logp[1, 5:].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_packing_equals_unpacked_forward_for_any_lengths(seed: int) -> None:
+    """Packed log-probs, values and their gradients equal the unpacked forward of each
+    [prompt | response] to 1e-5 (fp32), whatever the lengths."""
+    prompts, responses = _random_plan(seed)
+    if seed % 2 == 0:
+        assert max(len(r) for r in responses) < min(len(x) for x in prompts)
+    model, head = _policy(), ValueHead(TinyModelParams().hidden_size)
+    torch.nn.init.normal_(head.linear.weight, generator=torch.Generator().manual_seed(seed))
+    weights = torch.randn(len(responses), 90, generator=torch.Generator().manual_seed(seed))
+
+    def grads(loss: torch.Tensor) -> list[torch.Tensor]:
+        model.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    logp, values, mask = logprobs_and_values(model, head, prompts, responses, pad_id=0)
+    assert mask.sum(-1).tolist() == [float(len(r)) for r in responses]
+    packed = grads((weights[:, : logp.shape[1]] * logp).sum())
+    alone_loss = torch.zeros(())
+    for i, (x, y) in enumerate(zip(prompts, responses)):
+        ref, hidden = _unpacked(model, x, y)
+        assert torch.allclose(logp[i, : len(y)], ref, atol=1e-5)
+        assert torch.allclose(values[i, : len(y)], head(hidden.detach()[None])[0], atol=1e-5)
+        assert float(logp[i, len(y):].abs().sum() + values[i, len(y):].abs().sum()) == 0.0
+        alone_loss = alone_loss + (weights[i, : len(y)] * ref).sum()
+    for a, b in zip(packed, grads(alone_loss)):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_reward_scores_equal_unpacked_for_any_lengths(seed: int) -> None:
+    """The reward model reads each response's last token: equal to the unpacked forward's
+    last hidden state through the score head."""
+    prompts, responses = _random_plan(seed)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64,
+                                      num_labels=1, pad_token_id=0)
+    torch.manual_seed(seed)
+    rm = transformers.LlamaForSequenceClassification(config).eval()
+    with torch.no_grad():
+        r = member_rewards(rm, prompts, responses, pad_id=0)[0]                   # (B,)
+        for i, (x, y) in enumerate(zip(prompts, responses)):
+            h = rm.model(input_ids=torch.tensor([x + y])).last_hidden_state[0, -1]
+            assert torch.allclose(r[i], rm.score(h)[0], atol=1e-5)
