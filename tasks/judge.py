@@ -12,18 +12,24 @@ from itertools import groupby
 
 from tasks import jsonl, layout, stage
 from tasks.judges import PointwiseJudge, Verdict, judge_pair, make_judge, verdict_rates
-from tasks.records import PreferencePair, Prompt, Rollout, parse_pair, parse_rollout
+from tasks.records import PreferencePair, Prompt, Rollout, Sampled, parse_pair, parse_rollout
+
+# (prompt, response texts, meta for its pairs[, each response's sampled tokens])
+Group = tuple[Prompt, Sequence[str], dict[str, object]] \
+    | tuple[Prompt, Sequence[str], dict[str, object], Sequence[Sampled]]
 
 
 def ranked_pairs(judge: PointwiseJudge, prompt: Prompt, responses: Sequence[str],
-                 source: str, meta: dict[str, object], n_pairs: int = 1
+                 source: str, meta: dict[str, object], n_pairs: int = 1,
+                 sampled: Sequence[Sampled] = ()
                  ) -> tuple[list[PreferencePair], list[Verdict], list[float | None]]:
     """Up to `n_pairs` pairs of one prompt's responses: the i-th best against the i-th worst
     (best vs worst first), each kept only when the judge prefers the better one in both orders.
 
     Ranks are disjoint (i < valid / 2), so no kept pair reuses a response (equal scores are a
     tie, never kept), and each later pair has a narrower score gap than the one before.
-    Returns (pairs, one verdict per comparison, scores).
+    `sampled` (one per response, or empty) are the tokens the policy drew: each pair carries
+    its two sides' own. Returns (pairs, one verdict per comparison, scores).
     """
     scores = judge.score([prompt] * len(responses), responses)
     valid = [i for i, s in enumerate(scores) if s is not None]
@@ -40,21 +46,20 @@ def ranked_pairs(judge: PointwiseJudge, prompt: Prompt, responses: Sequence[str]
             if scores[best] != scores[worst] else "tie"
         verdicts.append(verdict)
         if verdict == "A":
+            tokens = {responses[i]: sampled[i] for i in (best, worst)} if sampled else {}
             pairs.append(PreferencePair(prompt, responses[best], responses[worst], source, {
                 **meta, "judge": f"{judge.kind}:{judge.version}", "pair_rank": rank,
-                "score_chosen": scores[best], "score_rejected": scores[worst]}))
+                "score_chosen": scores[best], "score_rejected": scores[worst]}, tokens))
     return pairs, verdicts, scores
 
 
-def judge_groups(judge: PointwiseJudge,
-                 groups: Sequence[tuple[Prompt, Sequence[str], dict[str, object]]],
-                 source: str, pairs_per_prompt: int = 1
-                 ) -> tuple[list[PreferencePair], dict[str, float]]:
+def judge_groups(judge: PointwiseJudge, groups: Sequence[Group], source: str,
+                 pairs_per_prompt: int = 1) -> tuple[list[PreferencePair], dict[str, float]]:
     """Ranked pairs for every group of responses, with verdict rates and score stats."""
     pairs, verdicts, all_scores = [], [], []
-    for prompt, responses, meta in groups:
-        group_pairs, group_verdicts, scores = ranked_pairs(judge, prompt, responses, source,
-                                                           meta, pairs_per_prompt)
+    for prompt, responses, meta, *sampled in groups:
+        group_pairs, group_verdicts, scores = ranked_pairs(
+            judge, prompt, responses, source, meta, pairs_per_prompt, *sampled)
         verdicts.extend(group_verdicts)
         all_scores.extend(scores)
         pairs.extend(group_pairs)
@@ -71,11 +76,11 @@ def judge_groups(judge: PointwiseJudge,
     return pairs, metrics
 
 
-def rollout_groups(rollouts: Sequence[Rollout], iteration: int
-                   ) -> list[tuple[Prompt, list[str], dict[str, object]]]:
-    """Group consecutive rollouts of one prompt: (prompt, responses, meta) per prompt."""
+def rollout_groups(rollouts: Sequence[Rollout], iteration: int) -> list[Group]:
+    """Group consecutive rollouts of one prompt: (prompt, texts, meta, sampled tokens) each."""
     return [(rs[0].prompt, [r.text for r in rs],
-             {"prompt_id": pid, "policy": rs[0].policy, "iteration": iteration})
+             {"prompt_id": pid, "policy": rs[0].policy, "iteration": iteration},
+             [Sampled(r.response_ids, r.finished) for r in rs])
             for pid, grp in groupby(rollouts, key=lambda r: r.prompt_id) for rs in [list(grp)]]
 
 

@@ -86,7 +86,9 @@ def render_prompt(tok: transformers.PreTrainedTokenizerBase, prompt: Prompt,
 
 def encode_response(tok: transformers.PreTrainedTokenizerBase, text: str,
                     max_tokens: int) -> list[int]:
-    """Response text to ids, ending with EOS when it fits (a finished response)."""
+    """The text of a response that ended (an imported pair's side) to ids, with EOS when it
+    fits. Sampled responses keep the ids they were drawn as (`reward_model.response_ids`): a
+    truncated one has no EOS, and its text need not re-tokenise to the same ids."""
     ids = tok(text, add_special_tokens=False)["input_ids"]
     return (ids + [tok.eos_token_id])[:max_tokens]
 

@@ -26,16 +26,41 @@ Prompt = tuple[Message, ...]
 
 
 @dataclass(frozen=True)
+class Sampled:
+    """The tokens a policy sampled for a response: ids as drawn (ending with EOS when it
+    finished; a response cut at max_new_tokens has none) and whether it finished."""
+    ids: tuple[int, ...]
+    finished: bool
+
+
+@dataclass(frozen=True)
 class PreferencePair:
+    """A preference; judged pairs of rollouts also carry each side's sampled tokens, so that
+    training sees the sequences the policy produced (imported text pairs are tokenised).
+
+    `sampled` is keyed by the response text: a pair whose sides are exchanged
+    (`replace(pair, chosen=pair.rejected, rejected=pair.chosen)`, as an audit swap does) keeps
+    every text with its own tokens. Stored as chosen_ids / rejected_ids / chosen_finished /
+    rejected_finished, present only when sampled."""
     prompt: Prompt
     chosen: str
     rejected: str
     source: str                                  # "import", "cold_start", "iter_3", ...
     meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    sampled: dict[str, Sampled] = field(default_factory=dict, hash=False)
+
+    def tokens(self, text: str) -> Sampled | None:
+        """The sampled tokens of one side's text (None: text only, e.g. imported)."""
+        return self.sampled.get(text)
 
     def to_record(self) -> dict[str, Any]:
-        return {"prompt": prompt_to_record(self.prompt), "chosen": self.chosen,
-                "rejected": self.rejected, "source": self.source, "meta": self.meta}
+        rec: dict[str, Any] = {"prompt": prompt_to_record(self.prompt), "chosen": self.chosen,
+                               "rejected": self.rejected, "source": self.source}
+        c, r = self.tokens(self.chosen), self.tokens(self.rejected)
+        if c is not None and r is not None:
+            rec.update({"chosen_ids": list(c.ids), "rejected_ids": list(r.ids),
+                        "chosen_finished": c.finished, "rejected_finished": r.finished})
+        return {**rec, "meta": self.meta}
 
 
 @dataclass(frozen=True)
@@ -128,7 +153,32 @@ def parse_pair(rec: dict[str, Any], source: str, line: int, default_source: str,
     meta = rec.get("meta", {})
     if not isinstance(meta, dict):
         raise DataError(f"{where}: field 'meta' must be an object")
-    return PreferencePair(prompt, chosen, rejected, str(rec.get("source", default_source)), meta)
+    return PreferencePair(prompt, chosen, rejected, str(rec.get("source", default_source)), meta,
+                          _sampled(rec, chosen, rejected, where))
+
+
+SAMPLED_KEYS = ("chosen_ids", "rejected_ids", "chosen_finished", "rejected_finished")
+
+
+def _sampled(rec: dict[str, Any], chosen: str, rejected: str, where: str) -> dict[str, Sampled]:
+    """A stored pair's sampled tokens: all four SAMPLED_KEYS or none (a text-only pair)."""
+    present = [k for k in SAMPLED_KEYS if k in rec]
+    if not present:
+        return {}
+    if len(present) < len(SAMPLED_KEYS):
+        missing = [k for k in SAMPLED_KEYS if k not in rec]
+        raise DataError(f"{where}: field '{missing[0]}' missing (sampled tokens need all of "
+                        f"{', '.join(SAMPLED_KEYS)})")
+    out = {}
+    for side, text in (("chosen", chosen), ("rejected", rejected)):
+        ids, finished = rec[f"{side}_ids"], rec[f"{side}_finished"]
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise DataError(f"{where}: field '{side}_ids' must be a non-empty list of token ids")
+        if not isinstance(finished, bool):
+            raise DataError(f"{where}: field '{side}_finished' must be true or false")
+        out[text] = Sampled(tuple(ids), finished)
+    return out
 
 
 def parse_rollout(rec: dict[str, Any], source: str, line: int) -> Rollout:

@@ -149,14 +149,26 @@ def reward_mean_std(model: RewardModel, prompts: Sequence[Sequence[int]],
     return r.mean(0), r.std(0, unbiased=False)
 
 
+def response_ids(tok: transformers.PreTrainedTokenizerBase, pair: PreferencePair, text: str,
+                 room: int) -> tuple[int, ...]:
+    """One side's ids, at most `room`: the tokens the policy sampled when the pair carries them
+    (EOS only if it finished), else the text tokenised with EOS (an imported, ended text)."""
+    sampled = pair.tokens(text)
+    if sampled is not None:
+        return sampled.ids[:room]
+    return tuple(lm.encode_response(tok, text, room))
+
+
 def encode_pairs(tok: transformers.PreTrainedTokenizerBase, pairs: Sequence[PreferencePair],
                  max_prompt_tokens: int, max_length: int) -> list[EncodedPair]:
+    """Pairs as ids: the chat-rendered prompt (its last max_prompt_tokens) and both responses,
+    prompt + response cut to max_length."""
     out = []
     for p in pairs:
         prompt_ids = lm.render_prompt(tok, p.prompt, max_prompt_tokens)
         room = max(max_length - len(prompt_ids), 1)
-        out.append(EncodedPair(tuple(prompt_ids), tuple(lm.encode_response(tok, p.chosen, room)),
-                               tuple(lm.encode_response(tok, p.rejected, room))))
+        out.append(EncodedPair(tuple(prompt_ids), response_ids(tok, p, p.chosen, room),
+                               response_ids(tok, p, p.rejected, room)))
     return out
 
 

@@ -21,7 +21,7 @@ from tasks import (collect_offpolicy, evaluate, jsonl, judge, layout, lm, prepar
                    reference_samples, reward_model, rollout, stage, train_rm, update)
 from tasks.judges import LexiconJudge
 from tasks.params import load_params
-from tasks.records import parse_pair, parse_rollout
+from tasks.records import PreferencePair, parse_pair, parse_rollout
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "params" / "tiny.yaml"
@@ -217,6 +217,53 @@ def test_judged_pairs_come_from_rollouts_and_prefer_the_higher_score(ws: Workspa
         chosen, rejected = lexicon.score([pair.prompt] * 2, [pair.chosen, pair.rejected])
         assert chosen is not None and rejected is not None
         assert chosen - rejected >= p.judge.tie_margin
+
+
+def test_judged_pairs_carry_their_rollouts_sampled_tokens(ws: Workspace) -> None:
+    """Every judged pair's chosen and rejected ids (and finished flags) are those its rollouts
+    were sampled as, in the pairs file and in the pool, cold-start pairs included."""
+    sampled: dict[tuple[str, str], list[tuple[list[int], bool]]] = {}
+    for rec in ws.records(layout.rollouts(1)):
+        sampled.setdefault((rec["prompt_id"], rec["text"]), []).append(
+            (rec["response_ids"], rec["finished"]))
+    new = ws.records(layout.pairs(1))
+    assert new and ws.records(layout.pairs_pool(1))[-len(new):] == new
+    for rec in new:
+        for side in ("chosen", "rejected"):
+            key = (rec["meta"]["prompt_id"], rec[side])
+            assert (rec[f"{side}_ids"], rec[f"{side}_finished"]) in sampled[key]
+    tok = lm.load_tokenizer(ws.path(layout.policy(0)))
+    cold = ws.records(layout.pairs_pool(0))
+    assert cold
+    for rec in cold:                         # sampled by collect_offpolicy, rollouts not kept
+        for side in ("chosen", "rejected"):
+            ids = rec[f"{side}_ids"]
+            assert tok.decode(ids, skip_special_tokens=True).strip() == rec[side]
+            assert rec[f"{side}_finished"] == (ids[-1] == tok.eos_token_id)
+
+
+def test_dpo_and_rm_train_on_the_sampled_ids(ws: Workspace) -> None:
+    """encode_pairs (what DPO and the RM train on) keeps a judged pair's sampled ids: no EOS is
+    appended to a truncated response; an imported text pair is tokenised with EOS."""
+    p = load_params(ws.path(layout.PARAMS_FILE))
+    tok = lm.load_tokenizer(ws.path(layout.policy(0)))
+    path = ws.path(layout.pairs_pool(1))
+    pairs = [parse_pair(rec, str(path), n, "?") for n, rec in jsonl.read(path)]
+    for max_length in (p.update.max_length, p.train_rm.max_length):
+        for pair, enc in zip(pairs, reward_model.encode_pairs(
+                tok, pairs, p.model.max_prompt_tokens, max_length)):
+            room = max_length - len(enc.prompt_ids)
+            for text, ids in ((pair.chosen, enc.chosen_ids), (pair.rejected, enc.rejected_ids)):
+                drawn = pair.tokens(text)
+                assert drawn is not None and ids == drawn.ids[:room]
+                assert (ids[-1] == tok.eos_token_id) == (drawn.finished and len(drawn.ids) <= room)
+    truncated = [t for pair in pairs for t in (pair.tokens(pair.chosen), pair.tokens(pair.rejected))
+                 if not t.finished]
+    assert truncated                         # the case the re-tokenising path got wrong
+    imported = PreferencePair(pairs[0].prompt, "Great fun.", "Dull.", "import")
+    enc = reward_model.encode_pairs(tok, [imported], p.model.max_prompt_tokens, 64)[0]
+    assert enc.chosen_ids == tuple(tok("Great fun.", add_special_tokens=False)["input_ids"]
+                                   + [tok.eos_token_id])
 
 
 # --- train_rm ---------------------------------------------------------------------------------
