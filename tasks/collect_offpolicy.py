@@ -1,8 +1,9 @@
 """Stage `collect_offpolicy`: the off-policy preference pairs the first reward model learns from.
 
 Two real sources:
-- `import`: the user's pairs, a JSONL file or a directory saved by HF `datasets`
-  (`save_to_disk`), in TRL's standard or conversational format (see tasks/records.py);
+- `import`: the user's pairs, `offpolicy.import_path` inside the workspace's data/import/ (a
+  declared dep; `alignloop import FILE` puts them there): JSONL, JSON, Parquet or a directory
+  saved by HF `datasets`, in any TRL preference format (see tasks/pair_import.py);
 - `cold_start`: K samples per prompt from the behaviour policy (the initial model), labelled
   by the judge, best vs worst.
 The result is iteration 0's pair pool; each iteration's judged on-policy pairs are added to it.
@@ -15,31 +16,36 @@ from tasks import jsonl, layout, lm, stage
 from tasks.judge import judge_groups, rollout_groups
 from tasks.judges import make_judge
 from tasks.jsonl import DataError
+from tasks.pair_import import read_pairs
 from tasks.params import Params
-from tasks.records import PreferencePair, parse_pair
+from tasks.records import PreferencePair
 from tasks.rollout import load_prompts, sample_rollouts
 
 
-def import_pairs(path: Path) -> list[PreferencePair]:
-    """Read user pairs from a JSONL file or a saved HF datasets directory."""
-    if path.is_dir():
-        import datasets
+def import_pairs(path: Path, root: Path | None = None) -> list[PreferencePair]:
+    """The user's pairs from `path`, which must lie inside `root`/data/import when a workspace
+    root is given; every row is checked first and all bad ones are reported together."""
+    if root is not None:
+        inside_import_dir(path, root)
+    res = read_pairs(path)
+    if res.errors:
+        raise DataError("\n".join(res.error_lines()))
+    if not res.pairs:
+        raise DataError(f"{path}: no preference pairs"
+                        + (f" ({len(res.identical)} rows with chosen == rejected)"
+                           if res.identical else ""))
+    print(f"collect_offpolicy: {res.rows} rows, {len(res.pairs)} pairs, {res.duplicates} "
+          f"duplicates dropped, {len(res.identical)} with chosen == rejected refused")
+    return res.pairs
 
-        try:
-            ds = datasets.load_from_disk(str(path))
-        except Exception as e:  # datasets raises several types for a bad directory
-            raise DataError(f"{path}: not a saved HF datasets directory ({e})") from None
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise DataError(f"{path}: DatasetDict without a 'train' split ({list(ds)})")
-            ds = ds["train"]
-        pairs = [parse_pair(dict(rec), str(path), n, "import", where=f"{path} (row {n + 1})")
-                 for n, rec in enumerate(ds)]
-    else:
-        pairs = [parse_pair(rec, str(path), n, "import") for n, rec in jsonl.read(path)]
-    if not pairs:
-        raise DataError(f"{path}: no preference pairs")
-    return pairs
+
+def inside_import_dir(path: Path, root: Path) -> None:
+    """Refuse an import path that leaves the workspace's data/import/ (after symlinks), which is
+    the only import location dvc.yaml declares as a dep."""
+    base = (root / layout.IMPORT_DIR).resolve()
+    if not path.resolve().is_relative_to(base) or path.resolve() == base:
+        raise DataError(f"{path}: imports are read only from inside {base}; bring the file in "
+                        "with `alignloop import FILE --workspace WORKSPACE`")
 
 
 def cold_start(p: Params, root: Path) -> tuple[list[PreferencePair], dict[str, float]]:
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "")
     p, root = args.params, args.root
     if p.offpolicy.source == "import":
-        pairs = import_pairs(root / p.offpolicy.import_path)
+        pairs = import_pairs(root / p.offpolicy.import_path, root)
         metrics = {"offpolicy/n_pairs": float(len(pairs))}
     else:
         pairs, metrics = cold_start(p, root)

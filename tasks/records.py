@@ -1,6 +1,8 @@
 """The records that flow between stages, and their strict parsing from stored JSON.
 
-Preference pairs are accepted in TRL's two explicit-prompt formats:
+Preference pairs are accepted in every TRL preference format: standard or conversational, with
+an explicit or an implicit prompt (Anthropic-HH dialogues included); tasks/pair_formats.py
+rewrites the implicit ones into the explicit form:
 - standard:        {"prompt": str, "chosen": str, "rejected": str}
 - conversational:  {"prompt": [{"role", "content"}...], "chosen": [{"role": "assistant", ...}],
                     "rejected": [...]}
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.jsonl import DataError
+from tasks.pair_formats import explicit
 
 ROLES = ("system", "user", "assistant")
 
@@ -140,7 +143,7 @@ def _completion(rec: dict[str, Any], key: str, where: str) -> str:
     msgs = _messages(rec[key], key, where)
     if len(msgs) != 1 or msgs[0].role != "assistant":
         raise DataError(f"{where}: field '{key}' must hold exactly one assistant message "
-                        "(implicit-prompt conversations are not supported; split out 'prompt')")
+                        "(the one reply that follows the prompt)")
     return msgs[0].content
 
 
@@ -148,6 +151,7 @@ def parse_pair(rec: dict[str, Any], source: str, line: int, default_source: str,
                where: str | None = None) -> PreferencePair:
     """Normalise one stored pair; `where` overrides the "source:line" prefix of errors."""
     where = where or _where(source, line)
+    rec = explicit(rec, where)                  # implicit-prompt formats -> explicit prompt
     prompt = parse_prompt(rec, where)
     chosen, rejected = _completion(rec, "chosen", where), _completion(rec, "rejected", where)
     meta = rec.get("meta", {})
