@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from flows import import_pairs
 from flows import workspace as wsmod
 from flows.report import collect_report
 from flows.targets import SETUP_STAGES, check, iteration_minutes, recorded_seconds
@@ -331,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="against the standalone server (started if needed)")
     tk.add_argument("--workspace", default=DEFAULT_WORKSPACE)
     tk.set_defaults(func=cmd_tick)
+    import_pairs.add_parser(sub, DEFAULT_WORKSPACE)
     return ap
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from tasks.jsonl import DataError
 from tasks.pair_formats import IdenticalPair
-from tasks.records import PreferencePair, parse_pair, prompt_to_record
+from tasks.records import SAMPLED_KEYS, PreferencePair, parse_pair, prompt_to_record
 
 MAX_ERRORS = 20          # errors listed in full; the rest are counted
 
@@ -54,6 +54,7 @@ def read_pairs(path: Path, splits: str = "", label: str | None = None) -> Import
         if rec is None:
             res.errors.append(err or f"{where}: unreadable row")
             continue
+        rec = {k: v for k, v in rec.items() if k not in SAMPLED_KEYS}   # not our tokenizer's
         try:
             pair = parse_pair(rec, "", 0, "import", where=where)
         except IdenticalPair:
