@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import posixpath
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from tasks import layout
 from tasks.errors import InputError
 
 
@@ -378,6 +380,8 @@ def _check_ranges(p: Params, b: _Builder) -> None:
     for path, value in positive.items():
         if value <= 0:
             b.fail(path, f"must be > 0, got {value}")
+    _check_sizes(p, b)
+    _check_import_path(p, b)
     if p.rollout.samples_per_prompt < 2:
         b.fail(("rollout", "samples_per_prompt"), "need at least 2 samples to form a pair")
     if 2 * p.judge.pairs_per_prompt > p.rollout.samples_per_prompt:
@@ -389,6 +393,47 @@ def _check_ranges(p: Params, b: _Builder) -> None:
     _check_ppo(p, b)
     if p.model.source == "hf_dir" and not p.model.path:
         b.fail(("model", "path"), "model.source is hf_dir but model.path is empty")
+
+
+# sizes, counts, epochs and learning rates a stage divides by or loops over: 0 or less runs no
+# step (a negative batch size trained nothing, silently), so they fail here, file and line named
+POSITIVE = (
+    "model.max_prompt_tokens", "model.tiny.hidden_size", "model.tiny.num_layers",
+    "model.tiny.num_heads", "model.tiny.intermediate_size", "model.tiny.max_position_embeddings",
+    "offpolicy.n_prompts", "offpolicy.samples_per_prompt",
+    "offpolicy.generation.max_new_tokens", "offpolicy.generation.batch_size",
+    "rollout.n_prompts", "rollout.generation.max_new_tokens", "rollout.generation.batch_size",
+    "train_rm.epochs", "train_rm.batch_size", "train_rm.max_length",
+    "update.max_length", "update.dpo.lr", "update.dpo.epochs", "update.dpo.batch_size",
+    "update.ppo.lr", "update.ppo.epochs", "update.ppo.minibatch_size", "update.ppo.value_lr",
+    "evaluate.n_prompts", "evaluate.bootstrap", "evaluate.generation.max_new_tokens",
+    "evaluate.generation.batch_size", "evaluate.best_of_n.n_prompts",
+)
+
+
+def _check_sizes(p: Params, b: _Builder) -> None:
+    for dotted in POSITIVE:
+        path = tuple(dotted.split("."))
+        value: Any = p
+        for part in path:
+            value = getattr(value, part)
+        if value <= 0:
+            b.fail(path, f"must be > 0, got {value}")
+    if p.evaluate.best_of_n.n < 0:
+        b.fail(("evaluate", "best_of_n", "n"), f"must be >= 0 (0 = off), got "
+               f"{p.evaluate.best_of_n.n}")
+
+
+def _check_import_path(p: Params, b: _Builder) -> None:
+    """Imports are read from inside the workspace's data/import/ only: the one import location
+    dvc.yaml declares (a path outside it is read, yet no edit of it reruns anything)."""
+    raw = p.offpolicy.import_path
+    norm = posixpath.normpath(raw.replace("\\", "/")) if raw else ""
+    if raw.startswith(("/", "~")) or ".." in norm.split("/") or \
+            not norm.startswith(layout.IMPORT_DIR + "/"):
+        b.fail(("offpolicy", "import_path"), f"{raw!r} is not inside the workspace's "
+               f"{layout.IMPORT_DIR}/; bring the file in with `alignloop import FILE "
+               f"--workspace WORKSPACE` (it writes {layout.IMPORT_PAIRS})")
 
 
 def _check_dpo_and_rm(p: Params, b: _Builder) -> None:

@@ -191,3 +191,36 @@ def test_ppo_profile_differs_from_default_only_in_update() -> None:
     assert ppo["update"]["algo"] == "ppo" and base["update"]["algo"] == "dpo"
     assert {k: v for k, v in ppo.items() if k != "update"} == \
         {k: v for k, v in base.items() if k != "update"}
+
+
+# --- sizes, the import path, the off-policy mix ----------------------------------------------
+
+@pytest.mark.parametrize("old, new, expected", [
+    ("  epochs: 2\n", "  epochs: 2\n  batch_size: -16\n",
+     "8: train_rm.batch_size: must be > 0, got -16"),
+    ("  epochs: 2\n", "  epochs: 0\n", "7: train_rm.epochs: must be > 0, got 0"),
+    ("    beta: 0.1\n", "    beta: 0.1\n    batch_size: 0\n",
+     "11: update.dpo.batch_size: must be > 0, got 0"),
+    ("    beta: 0.1\n", "    beta: 0.1\n    lr: -1.0e-3\n",
+     "11: update.dpo.lr: must be > 0, got -0.001"),
+], ids=["rm-batch-negative", "rm-epochs-zero", "dpo-batch-zero", "dpo-lr-negative"])
+def test_sizes_and_counts_must_be_positive(tmp_path: Path, old: str, new: str,
+                                           expected: str) -> None:
+    path = write(tmp_path, BASE.replace(old, new))
+    assert load_error(path) == f"{path}:{expected}"
+
+
+@pytest.mark.parametrize("value", ["../outside/pairs.jsonl", "../../../etc/passwd",
+                                   "/etc/passwd", "data/import/../../x", "data/import",
+                                   "data/imports/a.jsonl"])
+def test_import_path_must_stay_inside_data_import(tmp_path: Path, value: str) -> None:
+    path = write(tmp_path, BASE + f"offpolicy:\n  source: import\n  import_path: {value}\n")
+    assert load_error(path) == (
+        f"{path}:13: offpolicy.import_path: {value!r} is not inside the workspace's "
+        "data/import/; bring the file in with `alignloop import FILE --workspace WORKSPACE` "
+        "(it writes data/import/pairs.jsonl)")
+
+
+def test_import_path_inside_data_import_loads() -> None:
+    p = parse_params(BASE + "offpolicy:\n  import_path: data/import/hh/train.parquet\n")
+    assert p.offpolicy.import_path == "data/import/hh/train.parquet"
