@@ -16,13 +16,19 @@ usable preference (both bad, a tie, garbage). Other keys are allowed and ignored
 line with a `verdict` added is a valid label; its `reason` ("random" or "disagreement") is
 kept, so the judge error rate can also be reported on the unbiased random sample alone.
 Every later `train_rm` applies the verdicts to its pool before training.
+
+A label that carries the queue line's `source` ("iter_j", "cold_start", "import") names the
+iteration its pair joined the pool; pools only grow, so when that iteration is covered by the
+pool (j <= the pool's newest iteration) and no pair matches, the pair_id is wrong, and that is an
+error naming the labels file and line. A label without `source` that matches nothing may belong
+to a later iteration: it is counted (rm/audit_n_unmatched), not refused.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +48,8 @@ class AuditLabel:
     verdict: str          # one of VERDICTS
     note: str = ""
     reason: str = ""      # why it was queued ("random", "disagreement"), when copied from a queue
+    source: str = ""      # the pair's source, when copied from a queue ("iter_2", "import", ...)
+    where: str = field(default="", compare=False)   # "labels.jsonl:LINE", for errors
 
 
 def pair_id(pair: PreferencePair) -> str:
@@ -58,10 +66,31 @@ def _label(rec: dict[str, Any], where: str) -> AuditLabel:
     if rec["verdict"] not in VERDICTS:
         raise DataError(f"{where}: field 'verdict' must be one of {VERDICTS}, "
                         f"got {rec['verdict']!r}")
-    note, reason = rec.get("note", ""), rec.get("reason", "")
-    if not isinstance(note, str) or not isinstance(reason, str):
-        raise DataError(f"{where}: fields 'note' and 'reason' must be strings")
-    return AuditLabel(rec["pair_id"], rec["verdict"], note, reason)
+    note, reason, source = rec.get("note", ""), rec.get("reason", ""), rec.get("source", "")
+    if not all(isinstance(x, str) for x in (note, reason, source)):
+        raise DataError(f"{where}: fields 'note', 'reason' and 'source' must be strings")
+    return AuditLabel(rec["pair_id"], rec["verdict"], note, reason, source, where)
+
+
+def source_iteration(source: str) -> int | None:
+    """The iteration a pair joined the pool at: "iter_j" -> j, the off-policy sources -> 0."""
+    if source in ("cold_start", "import"):
+        return 0
+    if source.startswith("iter_") and source[5:].isdigit():
+        return int(source[5:])
+    return None
+
+
+def check_unknown(pairs: Sequence[PreferencePair], labels: dict[str, AuditLabel],
+                  matched: set[str]) -> None:
+    """Refuse labels whose `source` iteration the pool covers but whose pair_id it lacks."""
+    newest = max((i for p in pairs if (i := source_iteration(p.source)) is not None), default=-1)
+    for pid, label in labels.items():
+        it = source_iteration(label.source)
+        if pid not in matched and it is not None and it <= newest:
+            raise DataError(f"{label.where or 'audit labels'}: pair_id {pid} matches no pair of "
+                            f"the pool, which holds every {label.source} pair (a mistyped id, or "
+                            "a label left from data that has since changed: fix or remove it)")
 
 
 def parse_labels(path: str | Path) -> dict[str, AuditLabel]:
@@ -102,6 +131,7 @@ def apply_audit(pairs: Sequence[PreferencePair], labels: dict[str, AuditLabel]
         elif label.verdict == "swap":
             out.append(replace(pair, chosen=pair.rejected, rejected=pair.chosen,
                                meta={**pair.meta, "audit": "swap", "audit_of": pid}))
+    check_unknown(pairs, labels, set(matched))
     return out, audit_metrics(list(matched.values()), n_unmatched=len(labels) - len(matched))
 
 

@@ -243,3 +243,28 @@ def test_write_text_failure_keeps_old_file_and_no_temp(tmp_path: Path,
     monkeypatch.undo()
     assert path.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
+# --- audit labels whose pair_id matches nothing -----------------------------------------------
+
+def test_audit_label_with_an_unknown_pair_id_is_an_error_naming_file_and_line(
+        tmp_path: Path) -> None:
+    from tasks import audit
+    pool = [PreferencePair((Message("user", f"Review movie {i}."),), f"great {i}", f"bad {i}",
+                           src) for i, src in enumerate(["import", "iter_1", "iter_2"])]
+    known = audit.pair_id(pool[1])
+    path = tmp_path / "labels.jsonl"
+    path.write_text(json.dumps({"pair_id": known, "verdict": "swap", "source": "iter_1"}) + "\n"
+                    + json.dumps({"pair_id": "0" * 32, "verdict": "drop", "source": "iter_2"})
+                    + "\n")
+    with pytest.raises(DataError, match="^" + re.escape(
+            f"{path}:2: pair_id {'0' * 32} matches no pair of the pool, which holds every "
+            "iter_2 pair")):
+        audit.apply_audit(pool, audit.parse_labels(path))
+    # a later iteration's label, or one without a source, may be for a pair still to come
+    path.write_text(json.dumps({"pair_id": "1" * 32, "verdict": "drop", "source": "iter_3"})
+                    + "\n" + json.dumps({"pair_id": "2" * 32, "verdict": "drop"}) + "\n"
+                    + json.dumps({"pair_id": known, "verdict": "swap", "source": "iter_1"}))
+    out, m = audit.apply_audit(pool, audit.parse_labels(path))
+    assert m["rm/audit_n"] == 1 and m["rm/audit_n_unmatched"] == 2
+    assert out[1].chosen == "bad 1"
