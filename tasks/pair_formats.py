@@ -43,18 +43,17 @@ def explicit(rec: dict[str, Any], where: str) -> dict[str, Any]:
     messages) and `chosen` / `rejected` completions; other keys are kept. An implicit-prompt
     pair whose two sides are identical raises IdenticalPair (there is no prompt to extract);
     an explicit one is returned as it is."""
-    for key in ("chosen", "rejected"):
-        if key not in rec:
-            raise DataError(f"{where}: missing field '{key}'")
     out = dict(rec)
     for key in ("prompt", "chosen", "rejected"):
         if isinstance(out.get(key), list):
             out[key] = clean_messages(out[key], key, where)
-    chosen, rejected, prompt = out["chosen"], out["rejected"], out.get("prompt")
-    if prompt is None:
-        out.pop("prompt", None)
-    elif not _mixed(prompt, chosen, rejected):
+    chosen, rejected, prompt = out.get("chosen"), out.get("rejected"), out.get("prompt")
+    if prompt is not None and not _mixed(prompt, chosen, rejected):
         return out                                    # explicit prompt, nothing to extract
+    out.pop("prompt", None)
+    for key in ("chosen", "rejected"):
+        if key not in rec:
+            raise DataError(f"{where}: missing field '{key}'")
     if isinstance(chosen, str) and isinstance(rejected, str):
         out.update(_text_implicit(chosen, rejected, where))
     elif isinstance(chosen, list) and isinstance(rejected, list):
