@@ -344,9 +344,30 @@ def parse_params(text: str, source: str = "<params>") -> Params:
         except _DuplicateKey as e:
             raise ParamsError(f"{source}:{e.line}: {'.'.join(e.path)}: duplicate key") from None
     builder = _Builder(source, lines)
-    params = builder.build(Params, data if data is not None else {}, ())
+    params = builder.build(Params, _resolve_auto_mix(data if data is not None else {}), ())
     _check_ranges(params, builder)
     return params
+
+
+AUTO = "auto"
+IMPORT_OFFPOLICY_MIX = 0.5   # auto, offpolicy.source: import: half of DPO's pairs from the pool
+
+
+def _resolve_auto_mix(data: Any) -> Any:
+    """`update.dpo.offpolicy_mix: auto` (or the key left out) -> a number: with imported pairs
+    (`offpolicy.source: import`) IMPORT_OFFPOLICY_MIX, so they train the policy as well as the
+    reward model; with a cold start 0.0 (DPO on the on-policy pairs alone). A malformed file is
+    returned as it is, for the builder to report."""
+    if not isinstance(data, dict):
+        return data
+    update, off = data.get("update", {}), data.get("offpolicy", {})
+    dpo = update.get("dpo", {}) if isinstance(update, dict) else None
+    if not (isinstance(dpo, dict) and isinstance(off, dict)) or \
+            dpo.get("offpolicy_mix", AUTO) != AUTO:
+        return data
+    source = off.get("source", OffpolicyParams.source)
+    mix = IMPORT_OFFPOLICY_MIX if source == "import" else 0.0
+    return {**data, "update": {**update, "dpo": {**dpo, "offpolicy_mix": mix}}}
 
 
 def load_params(path: str | Path) -> Params:

@@ -224,3 +224,21 @@ def test_import_path_must_stay_inside_data_import(tmp_path: Path, value: str) ->
 def test_import_path_inside_data_import_loads() -> None:
     p = parse_params(BASE + "offpolicy:\n  import_path: data/import/hh/train.parquet\n")
     assert p.offpolicy.import_path == "data/import/hh/train.parquet"
+
+
+@pytest.mark.parametrize("offpolicy, mix, expected", [
+    ("source: import", "offpolicy_mix: auto", 0.5),
+    ("source: cold_start", "offpolicy_mix: auto", 0.0),
+    ("source: import", "", 0.5),                        # the key left out is auto
+    ("source: import", "offpolicy_mix: 0.2", 0.2),      # a number is kept
+    ("source: import", "offpolicy_mix: 0.0", 0.0),
+])
+def test_offpolicy_mix_auto_mixes_imported_pairs_in(offpolicy: str, mix: str,
+                                                    expected: float) -> None:
+    text = BASE + (f"    {mix}\n" if mix else "") + f"offpolicy:\n  {offpolicy}\n"
+    assert parse_params(text).update.dpo.offpolicy_mix == expected
+
+
+def test_offpolicy_mix_profiles_say_auto() -> None:
+    for path in PROFILES:
+        assert "offpolicy_mix: auto" in path.read_text(), path.name
