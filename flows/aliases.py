@@ -15,6 +15,7 @@ from typing import Any
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from flows import crashpoints
 from flows.registry import POLICY_MODEL
 from flows.workspace import git
 from tasks import atomic
@@ -41,22 +42,60 @@ def read_ledger(root: Path) -> list[dict[str, Any]]:
 
 
 def move(root: Path, alias: str, version: str, why: str, action: str,
-         model: str = POLICY_MODEL, commit: bool = True) -> dict[str, Any]:
-    """Point `alias` at `version`, record the move, and commit the ledger."""
+         model: str = POLICY_MODEL, commit: bool = True, iteration: int = 0) -> dict[str, Any]:
+    """Point `alias` at `version`, record the move, and commit the ledger.
+
+    The ledger entry is written first, then the alias moves, then the ledger is committed: a
+    move killed half-way is finished by `ensure`, never recorded twice."""
     client = MlflowClient()
     client.get_model_version(model, version)            # fails clearly on a bad version
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "who": _who(root),
              "model": model, "alias": alias, "from": current(client, alias, model),
              "to": str(version), "action": action, "why": why}
+    lines = read_ledger(root)
+    last = _last_move(lines, alias, model)
+    if last is None or (last["to"], last["from"]) != (entry["to"], entry["from"]):
+        lines.append(entry)
+        atomic.write_text(root / LEDGER,
+                          "".join(json.dumps(x, sort_keys=True) + "\n" for x in lines))
+    else:
+        entry = last                                     # redoing a killed move
+    crashpoints.reach("alias_ledger", iteration)
     client.set_registered_model_alias(model, alias, str(version))
     client.set_model_version_tag(model, str(version), f"alias.{alias}.last_set",
                                  f"{entry['time']} by {entry['who']}: {why}")
-    lines = read_ledger(root) + [entry]
-    atomic.write_text(root / LEDGER, "".join(json.dumps(x, sort_keys=True) + "\n" for x in lines))
+    crashpoints.reach("alias", iteration)
     if commit:
-        git(root, "add", LEDGER)
-        git(root, "commit", "-q", "-m", f"alignloop: {alias} -> v{version} ({action}: {why})")
+        _commit_ledger(root, f"alignloop: {alias} -> v{version} ({action}: {why})")
     return entry
+
+
+def ensure(root: Path, alias: str, version: str, why: str, action: str,
+           iteration: int = 0, model: str = POLICY_MODEL) -> bool:
+    """`alias` on `version` with its move in the committed ledger; True if it moved now. A move
+    a killed run left half-done (ledger written, alias moved, ledger not committed) is
+    completed here, not repeated."""
+    client = MlflowClient()
+    if current(client, alias, model) != version:
+        move(root, alias, version, why, action, model, iteration=iteration)
+        return True
+    last = _last_move(read_ledger(root), alias, model)
+    if last is not None and last["to"] == version:     # a killed move's ledger, uncommitted
+        _commit_ledger(root, f"alignloop: {alias} -> v{version} ({last['action']}: "
+                             f"{last['why']})")
+    return False
+
+
+def _last_move(lines: list[dict[str, Any]], alias: str, model: str) -> dict[str, Any] | None:
+    return next((e for e in reversed(lines) if e["alias"] == alias
+                 and e.get("model", POLICY_MODEL) == model), None)
+
+
+def _commit_ledger(root: Path, message: str) -> None:
+    """Commit the ledger if it differs from HEAD's (nothing else that is staged goes with it)."""
+    if git(root, "status", "--porcelain", "--", LEDGER):
+        git(root, "add", LEDGER)
+        git(root, "commit", "-q", "-m", message, "--", LEDGER)
 
 
 def _who(root: Path) -> str:

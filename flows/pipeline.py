@@ -15,12 +15,13 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
+import yaml
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from flows import dag, registry, targets
-from flows.workspace import Workspace, git
+from flows import crashpoints, dag, registry, signals, targets
+from flows.workspace import Workspace, git, git_bytes
 from tasks import layout
 from tasks.params import load_params
 
@@ -74,18 +75,26 @@ def commit_iteration(root: Path, iteration: int, runs: list[dag.StageRun],
                      last: bool) -> str:
     """Commit what the iteration changed (dvc.lock, params, metrics); returns HEAD's sha.
 
-    A group whose stages were all cached commits nothing (its changes, say a params edit for a
-    later iteration, go with the next commit), except the last one, which leaves a clean tree.
+    The iteration's results are uncommitted when its stages' dvc.lock entries differ from
+    HEAD's, whether the stages ran now or in a run killed before its commit. A group with
+    nothing uncommitted commits nothing (its other changes, say a params edit for a later
+    iteration, go with the next commit), except the last one, which leaves a clean tree. The
+    `iteration-k` tag marks the commit that holds iteration k's results.
     """
-    ran = [r for r in runs if r.outcome != "cached"]
+    names = [r.name for r in runs]
+    lock = dag.read_lock(root)
+    head = yaml.safe_load(git_bytes(root, "show", "HEAD:dvc.lock") or b"") or {}
+    new = [n for n in names if lock.get(n) != head.get("stages", {}).get(n)]
     git(root, "add", "-A")
-    if git(root, "status", "--porcelain") and (ran or last):
-        title = f"alignloop: iteration {iteration}" if ran else "alignloop: declaration update"
-        body = ", ".join(f"{r.name} ({r.outcome})" for r in ran) or "no stage ran"
+    if git(root, "status", "--porcelain") and (new or last):
+        title = f"alignloop: iteration {iteration}" if new else "alignloop: declaration update"
+        outcomes = {r.name: r.outcome for r in runs}
+        body = ", ".join(f"{n} ({outcomes[n]})" for n in new) or "no stage ran"
         git(root, "commit", "-q", "-m", f"{title}\n\nStages: {body}")
     sha = git(root, "rev-parse", "HEAD")
-    if iteration > 0 and ran:
-        git(root, "tag", "-f", f"iteration-{iteration}", sha)
+    tag = f"iteration-{iteration}"
+    if iteration > 0 and (new or not git(root, "tag", "--list", tag)):
+        git(root, "tag", "-f", tag, sha)
     return sha
 
 
@@ -93,47 +102,57 @@ def commit_iteration(root: Path, iteration: int, runs: list[dag.StageRun],
       cache_policy=NO_CACHE)
 def record_iteration(root: str, iteration: int, runs: list[dag.StageRun],
                      last: bool = False) -> Summary:
+    """The iteration's ledger, as a transaction that a crash at any point cannot lose: every
+    step finds what an earlier, killed run already did and does only the rest, so any run
+    ends with one commit, one complete MLflow run, one reward-model and one policy version,
+    and the champion on the latest iteration that passed its gate."""
     path = Path(root)
     if last and flow_run.get_id():
         dag.end_session(path, str(flow_run.get_id()))    # no stage checks after the last group
+    signals.check()
     sha = commit_iteration(path, iteration, runs, last)
+    crashpoints.reach("git_commit", iteration)
     lock = dag.read_lock(path)
-    names = [r.name for r in runs]
-    fp = registry.fingerprint(lock, names)
+    fp = registry.fingerprint(lock, [r.name for r in runs])
     summary: Summary = {"iteration": iteration, "git_commit": sha,
                         "stages": [asdict(r) for r in runs]}
-    if registry.already_recorded(registry.MlflowClient(), iteration, fp):
-        summary["recorded"] = "already"
-        return summary
     flow_run_id = str(flow_run.get_id() or "")
-    run_id = registry.log_iteration(path, iteration, runs, lock, sha, flow_run_id)
+    run_id = registry.iteration_run(registry.MlflowClient(), iteration, fp)
+    summary["recorded"] = "already" if run_id else "now"
+    if run_id is None:
+        run_id = registry.log_iteration(path, iteration, runs, lock, sha, flow_run_id)
     summary["mlflow_run_id"] = run_id
+    summary["pushed"] = registry.MlflowClient().get_run(run_id).data.tags.get(
+        f"{registry.TAG}pushed")                     # set once its data reached the remote
     if iteration > 0:
-        p = load_params(path / "params.yaml")
+        p = load_params(path / layout.PARAMS_FILE)
         common = {"git_commit": sha, "prefect_flow_run_id": flow_run_id,
                   "judge": f"{p.judge.kind}:{p.judge.version}", "algo": p.update.algo,
                   "reference": p.update.reference, "workspace": str(path)}
         summary.update(registry.register_iteration(path, iteration, lock, run_id, common))
         summary["gate"] = apply_gate(path, iteration, summary["policy_version"])
-    summary["recorded"] = "now"
     return summary
 
 
 def apply_gate(root: Path, iteration: int, version: str) -> str:
-    """Move `champion` to the version when its gate decision passed; else record why not."""
+    """Record the iteration's gate decision on its version, then put `champion` on the
+    latest iteration whose gate passed (re-running an older gate never moves it back)."""
     from flows import aliases
     decision = json.loads((root / layout.gate(iteration)).read_text())
     client = registry.MlflowClient()
+    why = "; ".join(decision["reasons"])
+    client.set_model_version_tag(registry.POLICY_MODEL, version, "gate",
+                                 "passed" if decision["passed"] else f"failed: {why}")
     if not decision["passed"]:
-        why = "; ".join(decision["reasons"])
-        client.set_model_version_tag(registry.POLICY_MODEL, version, "gate", f"failed: {why}")
         say(f"gate: iteration {iteration} (v{version}) not promoted: {why}")
-        return "failed"
-    client.set_model_version_tag(registry.POLICY_MODEL, version, "gate", "passed")
-    if aliases.current(client, "champion") != version:
-        aliases.move(root, "champion", version, f"gate passed at iteration {iteration}", "gate")
-        say(f"gate: iteration {iteration} (v{version}) is the new champion")
-    return "passed"
+    best = registry.latest_passing(client, dag.read_lock(root))
+    if best is not None:
+        best_it, best_version = best
+        moved = aliases.ensure(root, "champion", best_version,
+                               f"gate passed at iteration {best_it}", "gate", best_it)
+        if moved:
+            say(f"gate: iteration {best_it} (v{best_version}) is the new champion")
+    return "passed" if decision["passed"] else "failed"
 
 
 def ensure_experiment(root: Path) -> None:
@@ -148,23 +167,6 @@ def ensure_experiment(root: Path) -> None:
     if client.get_experiment_by_name(registry.EXPERIMENT) is None:
         client.create_experiment(registry.EXPERIMENT,
                                  artifact_location=(ws.state / "mlflow-artifacts").as_uri())
-
-
-def iteration_run_id(root: Path, summary: Summary) -> str | None:
-    """The MLflow run of the summary's iteration: logged by this run, or, when it was already
-    recorded, the (non-nested) run tagged with the same lock fingerprint."""
-    if summary.get("mlflow_run_id"):
-        return str(summary["mlflow_run_id"])
-    client = registry.MlflowClient()
-    exp = client.get_experiment_by_name(registry.EXPERIMENT)
-    if exp is None:
-        return None
-    fp = registry.fingerprint(dag.read_lock(root), [s["name"] for s in summary["stages"]])
-    runs = client.search_runs([exp.experiment_id], filter_string=(
-        f"tags.`{registry.TAG}iteration` = '{summary['iteration']}' and "
-        f"tags.`{registry.TAG}lock_fingerprint` = '{fp}'"),
-        order_by=["attributes.start_time DESC"])
-    return next((r.info.run_id for r in runs if "mlflow.parentRunId" not in r.data.tags), None)
 
 
 @task(name="report", cache_policy=NO_CACHE)
@@ -185,9 +187,7 @@ def publish_report(root: str, last: Summary) -> dict[str, str]:
     done["html"] = str(html)
     say(f"report: {html}")
     try:
-        run_id = iteration_run_id(path, last)
-        if run_id is None:
-            raise LookupError(f"no MLflow run for iteration {last['iteration']}")
+        run_id = str(last["mlflow_run_id"])        # every recorded iteration has its run
         registry.MlflowClient().log_artifacts(run_id, str(html.parent), REPORT_MLFLOW_PATH)
         done["mlflow_run_id"] = run_id
     except Exception as e:
@@ -217,10 +217,16 @@ def alignloop(workspace: str, force: list[str] | None = None) -> list[Summary]:
     stages = dag.ordered_stages(root)
     final = max(s.iteration for s in stages)
     for iteration, group in groupby(stages, key=lambda s: s.iteration):
-        runs = [run_stage(workspace, s.name, force=s.name in forced) for s in group]
+        runs = []
+        for s in group:
+            signals.check()
+            runs.append(run_stage(workspace, s.name, force=s.name in forced))
         summary = record_iteration(workspace, iteration, runs, last=iteration == final)
-        if any(r.outcome != "cached" for r in runs) or summary["recorded"] == "now":
+        if any(r.outcome != "cached" for r in runs) or not summary["pushed"]:
+            crashpoints.reach("dvc_push", iteration)
             summary["pushed"] = push_data(workspace)
+            registry.MlflowClient().set_tag(summary["mlflow_run_id"], f"{registry.TAG}pushed",
+                                            str(summary["pushed"]))
         summaries.append(summary)
     if summaries:
         summaries[-1]["report"] = publish_report(workspace, summaries[-1])

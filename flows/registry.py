@@ -18,6 +18,7 @@ import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from flows import crashpoints
 from flows.dag import StageRun, parse_name
 from tasks import layout
 
@@ -62,14 +63,25 @@ def _stage_metrics(root: Path, entry: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def already_recorded(client: MlflowClient, iteration: int, fp: str) -> bool:
+def iteration_run(client: MlflowClient, iteration: int, fp: str) -> str | None:
+    """The completely logged iteration run of these very lock entries, or None. Runs a killed
+    record step left half-logged (tagged `record: logging`) are deleted with their stage runs,
+    so that the run about to be logged is the only one."""
     exp = client.get_experiment_by_name(EXPERIMENT)
     if exp is None:
-        return False
+        return None
     runs = client.search_runs([exp.experiment_id], filter_string=(
         f"tags.`{TAG}iteration` = '{iteration}' and tags.`{TAG}lock_fingerprint` = '{fp}'"),
-        max_results=1)
-    return bool(runs)
+        order_by=["attributes.start_time ASC"])
+    pending = {r.info.run_id for r in runs if r.data.tags.get(f"{TAG}record") == "logging"}
+    done = None
+    for r in runs:
+        parent = r.data.tags.get("mlflow.parentRunId")
+        if r.info.run_id in pending or parent in pending:
+            client.delete_run(r.info.run_id)
+        elif parent is None and done is None:
+            done = r.info.run_id
+    return done
 
 
 def log_iteration(root: Path, iteration: int, runs: Sequence[StageRun], lock: dict[str, Any],
@@ -80,13 +92,17 @@ def log_iteration(root: Path, iteration: int, runs: Sequence[StageRun], lock: di
     tags = {f"{TAG}iteration": str(iteration), f"{TAG}git_commit": git_commit,
             f"{TAG}lock_fingerprint": fingerprint(lock, names),
             f"{TAG}prefect_flow_run_id": flow_run_id, f"{TAG}workspace": str(root)}
-    with mlflow.start_run(run_name=f"iteration {iteration}", tags=tags) as parent:
-        for r in runs:
+    pending = {f"{TAG}record": "logging"}       # until every stage run is in: see iteration_run
+    client = MlflowClient()
+    with mlflow.start_run(run_name=f"iteration {iteration}", tags={**tags, **pending}) as parent:
+        children = []
+        for i, r in enumerate(runs):
             entry = lock.get(r.name, {})
             stage_tags = {**tags, f"{TAG}dvc_stage": r.name, f"{TAG}outcome": r.outcome}
             stage_tags.update({f"{TAG}dep:{p}": m for p, m in _entry_io(entry, "deps").items()})
             stage_tags.update({f"{TAG}out:{p}": m for p, m in _entry_io(entry, "outs").items()})
-            with mlflow.start_run(run_name=r.name, nested=True, tags=stage_tags):
+            with mlflow.start_run(run_name=r.name, nested=True,
+                                  tags={**stage_tags, **pending}) as child:
                 params: dict[str, str] = {}
                 _flatten("", entry.get("params", {}).get(layout.PARAMS_FILE, {}), params)
                 if params:
@@ -94,6 +110,11 @@ def log_iteration(root: Path, iteration: int, runs: Sequence[StageRun], lock: di
                 metrics = _stage_metrics(root, entry)
                 metrics["stage/seconds"] = r.seconds
                 mlflow.log_metrics(metrics)
+                children.append(child.info.run_id)
+            if i == len(runs) // 2:
+                crashpoints.reach("mlflow_run", iteration)
+        for run_id in [*children, parent.info.run_id]:
+            client.set_tag(run_id, f"{TAG}record", "done")
         return parent.info.run_id
 
 
@@ -136,10 +157,12 @@ def register_iteration(root: Path, iteration: int, lock: dict[str, Any], run_id:
     """Register iteration k's reward model and policy; returns their version numbers."""
     client = MlflowClient()
     rm = register(client, REWARD_MODEL, root, f"train_rm@{iteration}", lock, run_id, common)
+    crashpoints.reach("rm_version", iteration)
     parent = "initial" if iteration == 1 else _version_of(client, lock, iteration - 1)
     pol = register(client, POLICY_MODEL, root, f"update@{iteration}", lock, run_id,
                    {**common, "parent_policy_version": parent,
                     "reward_model_version": str(rm.version)})
+    crashpoints.reach("policy_version", iteration)
     return {"policy_version": str(pol.version), "reward_model_version": str(rm.version)}
 
 
@@ -150,3 +173,20 @@ def _version_of(client: MlflowClient, lock: dict[str, Any], iteration: int) -> s
     md5 = _entry_io(entry, "outs").get(layout.policy(iteration), "")
     mv = find_version(client, POLICY_MODEL, md5)
     return str(mv.version) if mv is not None else "unknown"
+
+
+def latest_passing(client: MlflowClient, lock: dict[str, Any]) -> tuple[int, str] | None:
+    """(iteration, version) of the latest iteration whose policy, as dvc.lock holds it now, is
+    registered with a passed gate; None when no iteration passed."""
+    versions = {mv.tags.get("model_md5"): mv
+                for mv in client.search_model_versions(f"name = '{POLICY_MODEL}'")}
+    best = None
+    for name in lock:
+        ref = parse_name(name)
+        if ref.base != "update":
+            continue
+        mv = versions.get(_entry_io(lock[name], "outs").get(layout.policy(ref.iteration)))
+        if mv is not None and mv.tags.get("gate") == "passed" and \
+                (best is None or ref.iteration > best[0]):
+            best = (ref.iteration, str(mv.version))
+    return best
