@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from flows import import_pairs
+from flows import signals
 from flows import workspace as wsmod
 from flows.report import collect_report
 from flows.targets import SETUP_STAGES, check, iteration_minutes, recorded_seconds
@@ -23,24 +24,24 @@ DEFAULT_PARAMS = wsmod.PROJECT_ROOT / "params" / "default.yaml"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    params = Path(args.params) if args.params else None
-    root = Path(args.workspace)
+    params = Path(args.params).resolve() if args.params else None
+    root = Path(args.workspace).resolve()
     if params is None and not (root / "params.yaml").is_file():
         params = DEFAULT_PARAMS
-    ws, changed = wsmod.prepare(root, params)
-    print(f"workspace {ws.root}" + (f" (synced: {', '.join(changed)})" if changed else ""))
-    return _run_flow(ws, force=[])
+    wsmod.validate(root, params)               # fails before the workspace is touched
+    return _run_flow(root, params, force=[])
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:
     from flows import dag
     ws = _existing(args.workspace)
+    wsmod.validate(ws.root, None)
     names = [r.name for r in dag.ordered_stages(ws.root)]
     if args.stage not in names:
         raise InputError(f"{args.stage}: no such stage instance (have: {', '.join(names)})")
     force = [args.stage] + (dag.downstream(ws.root, args.stage) if args.downstream else [])
     print(f"rerun: {', '.join(force)}; every other stage as DVC decides")
-    return _run_flow(ws, force=force)
+    return _run_flow(ws.root, None, force=force)
 
 
 def _existing(workspace: str) -> wsmod.Workspace:
@@ -52,26 +53,140 @@ def _existing(workspace: str) -> wsmod.Workspace:
     return ws
 
 
-def _run_flow(ws: wsmod.Workspace, force: list[str]) -> int:
-    wsmod.apply_environment(ws)
-    _quiet_prefect()
-    from flows.pipeline import alignloop
-    from flows.schedule import workspace_lock
+class RunFailed(RuntimeError):
+    """A run that failed after the workspace was restored; the message is the one line."""
+
+    def __init__(self, line: str, code: int):
+        super().__init__(line)
+        self.code = code
+
+
+def _run_flow(root: Path, params_file: Path | None, force: list[str]) -> int:
+    """Everything that touches the workspace happens under its lock: the sync of params and
+    declaration, the stages, the record step. A failure (an error, a signal) restores the
+    workspace as the run found it (flows/recovery.py) before the one-line error is printed."""
+    from flows import recovery
+    ws = wsmod.Workspace(root)
+    root.mkdir(parents=True, exist_ok=True)
+    wsmod.apply_environment(ws)               # creates .alignloop/ (0700) for the lock
     t0 = time.perf_counter()
-    with workspace_lock(ws, "wait"):          # never interleaved with a scheduled tick
-        summaries = alignloop(str(ws.root), force=force)
+    logs = _run_logs(ws)
+    server = _prefect_api(ws, logs["server"])  # starts while this run may wait for the lock
+    from flows.schedule import workspace_lock  # imports Prefect: after PREFECT_API_URL is set
+    with workspace_lock(ws, "wait"):          # never interleaved with another run or a tick
+        checkpoint = recovery.take(root)
+        recovery.sweep(root)                  # debris of a run killed before this one
+        try:
+            ws, changed = wsmod.prepare(root, params_file)
+            print(f"workspace {ws.root}" + (f" (synced {len(changed)} files)" if changed else ""))
+            summaries = _flow(ws, force, server, logs)
+            signals.check()                   # a signal whose exception a library swallowed
+        except BaseException as e:
+            # a new workspace has nothing to go back to; the project's own repository (a
+            # developer's `--workspace .`) is never reset
+            restorable = checkpoint.head is not None and root != wsmod.PROJECT_ROOT
+            if restorable:
+                fixed = recovery.restore(root, checkpoint)
+                _log(logs["log"], ["restored after the failure:", *fixed])
+            raise _failure(e, logs, restored=restorable) from e
+        finally:
+            wsmod.secure_state(ws)            # the MLflow store this run may have created
+    _print_summary(ws.root, summaries, time.perf_counter() - t0)
+    return 0
+
+
+def _run_logs(ws: wsmod.Workspace) -> dict[str, Path]:
+    """This run's log files under .alignloop/logs/ (Prefect's log and tracebacks, the stages'
+    one-line errors, the temporary Prefect server's output)."""
+    logs = ws.state / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    stem = time.strftime("run-%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
+    out = {"log": logs / f"{stem}.log", "errors": logs / f"{stem}.errors",
+           "server": logs / f"{stem}.prefect-server.log"}
+    os.environ.update({"ALIGNLOOP_CLI_PID": str(os.getpid()),
+                       "ALIGNLOOP_ERROR_FILE": str(out["errors"]),
+                       "ALIGNLOOP_LOG_FILE": str(out["log"])})
+    return out
+
+
+def _log(path: Path, lines: list[str]) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _prefect_api(ws: wsmod.Workspace, log: Path) -> object | None:
+    """PREFECT_API_URL as the user set it, else the workspace's standalone server when it runs,
+    else a temporary server of this run's own that dies with it (flows/run_server.py). Set
+    before Prefect is imported, which reads it once."""
+    from flows import server as standalone
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    info = standalone.status(ws)
+    if info and info.get("healthy", True):
+        os.environ["PREFECT_API_URL"] = info["api_url"]
+        return None
+    from flows.run_server import RunServer
+    temp = RunServer(log).start()
+    os.environ["PREFECT_API_URL"] = temp.api_url
+    return temp
+
+
+def _flow(ws: wsmod.Workspace, force: list[str], server: object | None,
+          logs: dict[str, Path]) -> list[dict]:
+    if server is not None:
+        server.wait()                         # type: ignore[attr-defined]
+    _quiet_prefect(logs["log"])
+    from flows.pipeline import alignloop
+    return alignloop(str(ws.root), force=force)
+
+
+def _failure(e: BaseException, logs: dict[str, Path], restored: bool) -> RunFailed:
+    """The one line a failed run ends with, and its exit code: 2 for bad input (a stage that
+    exited 2 read bad input), 128 + N for signal N, else 1. The stage's own message, when it
+    wrote one, replaces DVC's account of the failure; tracebacks go to the log file only."""
+    import re
+    import traceback
+
+    from flows.dag import StageFailed
+    where = (f"the workspace is as it was before the run; " if restored else "") + \
+        f"log {_short(logs['log'])}"
+    if signals.received() is not None or isinstance(e, (signals.Terminated, KeyboardInterrupt)):
+        sig = signals.received() or signal.SIGINT
+        return RunFailed(f"stopped by {signal.Signals(sig).name} ({where})", 128 + sig)
+    if isinstance(e, StageFailed):
+        own = _stage_errors(logs["errors"])
+        detail = own[-1].removeprefix("error: ") if own else e.detail
+        m = re.search(r"exited with (\d+)", e.detail)
+        code = 2 if m and m.group(1) == "2" else 1
+        return RunFailed(f"stage {e.name} failed: {detail} ({where})", code)
+    if isinstance(e, (InputError, FileNotFoundError)):
+        return RunFailed(f"{e} ({where})", 2)
+    _log(logs["log"], ["".join(traceback.format_exception(e))])
+    return RunFailed(f"{type(e).__name__}: {e} ({where})", 1)
+
+
+def _stage_errors(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+
+
+def _short(path: Path) -> str:
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
+
+
+def _print_summary(root: Path, summaries: list[dict], seconds: float) -> None:
     ran = [s["name"] for it in summaries for s in it["stages"] if s["outcome"] != "cached"]
     total = sum(len(it["stages"]) for it in summaries)
-    print(f"done in {time.perf_counter() - t0:.1f} s: {len(ran)} of {total} stages "
+    print(f"done in {seconds:.1f} s: {len(ran)} of {total} stages "
           f"{'ran or were restored' if ran else 'ran; everything was cached'}")
     for it in summaries:
         if it.get("policy_version"):
             print(f"  iteration {it['iteration']}: policy v{it['policy_version']}, "
                   f"reward model v{it['reward_model_version']}, commit {it['git_commit'][:10]}")
-    _print_report(ws.root)
-    _print_targets(ws.root, [s["name"] for it in summaries for s in it["stages"]],
+    _print_report(root)
+    _print_targets(root, [s["name"] for it in summaries for s in it["stages"]],
                    {s["name"] for it in summaries for s in it["stages"] if s["outcome"] == "ran"})
-    return 0
 
 
 def _print_targets(root: Path, stages: list[str], ran: set[str]) -> None:
@@ -99,11 +214,25 @@ def _print_targets(root: Path, stages: list[str], ran: set[str]) -> None:
               f"computed {len([n for n in loop if n in ran])} of {len(loop)})")
 
 
-def _quiet_prefect() -> None:
-    """Prefect's ephemeral server prints CancelledError tracebacks on shutdown: harmless,
-    and confusing to users, so those loggers are quieted."""
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+def _quiet_prefect(log: Path | None = None) -> None:
+    """Prefect's console output goes to the run's log file, not the terminal: its tracebacks
+    of a failed task and flow (the CLI prints one line instead), the CancelledError noise of
+    a server shutting down. INFO reaches the Prefect API, so the UI's flow-run page shows the
+    stage lines. Without a log file (commands that run no stages), it is quieted."""
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if log else "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    from prefect.logging.configuration import ensure_logging_setup
+    ensure_logging_setup()
+    target: logging.Handler = logging.FileHandler(log) if log else logging.NullHandler()
+    target.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    loggers = [logging.getLogger()] + [logging.getLogger(n) for n in
+                                       list(logging.root.manager.loggerDict)]
+    for lg in loggers:
+        for h in list(lg.handlers):
+            if type(h) is logging.StreamHandler or \
+                    type(h).__name__ in ("PrefectConsoleHandler", "_SafeStreamHandler"):
+                lg.removeHandler(h)
+                lg.addHandler(target)
     for name in ("uvicorn", "uvicorn.error", "prefect.server", "asyncio", "httpx", "mlflow",
                  "alembic"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -240,9 +369,10 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     url = _api_url(ws)
     _quiet_prefect()
     from flows.schedule import serve
-    print(f"serving alignloop-{ws.root.name} on cron '{args.cron}' against {url} "
+    when = f"cron '{args.cron}'" if args.cron else f"every {args.interval:g} s"
+    print(f"serving alignloop-{ws.root.name} on {when} against {url} "
           f"(overlapping ticks: {args.overlap}); Ctrl-C stops serving")
-    serve(ws, args.cron, args.overlap)
+    serve(ws, args.cron, args.overlap, interval=args.interval)
     return 0
 
 
@@ -251,7 +381,9 @@ def cmd_tick(args: argparse.Namespace) -> int:
     if args.server:
         _api_url(ws)
     _quiet_prefect()
-    from flows.schedule import tick
+    from flows.schedule import skip_if_busy, tick
+    if skip_if_busy(ws, args.overlap):       # in a second, before a flow run starts
+        return 0
     result = tick(str(ws.root), overlap=args.overlap)
     print(f"tick: {result['outcome']}" + (f" iteration {result['iteration']}"
                                           if "iteration" in result else ""))
@@ -321,7 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--workspace", default=DEFAULT_WORKSPACE)
     srv.set_defaults(func=cmd_server)
     sch = sub.add_parser("schedule", help="serve recurring iterations on a cron schedule")
-    sch.add_argument("--cron", required=True, help='e.g. "0 3 * * 1" (Mondays 03:00)')
+    when = sch.add_mutually_exclusive_group(required=True)
+    when.add_argument("--cron", help='e.g. "0 3 * * 1" (Mondays 03:00)')
+    when.add_argument("--interval", type=float, metavar="SECONDS", help="every N seconds")
     sch.add_argument("--overlap", choices=["wait", "skip"], default="skip",
                      help="an overlapping tick waits for the running one, or is skipped")
     sch.add_argument("--workspace", default=DEFAULT_WORKSPACE)
@@ -336,39 +470,26 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _end_children_on_sigterm() -> None:
-    """`kill PID` (SIGTERM) of the CLI ends what it started, as Ctrl-C does for a terminal's
-    process group: the running stage's process and the Prefect server. Python's default is to
-    die at once, which left a stage training on and writing into the workspace after its
-    workspace lock was gone (found killing a run by hand)."""
-    def handler(signum: int, frame: object) -> None:
-        import psutil
-        children = psutil.Process().children(recursive=True)
-        for child in children:
-            with contextlib.suppress(psutil.Error):
-                child.terminate()
-        _, alive = psutil.wait_procs(children, timeout=10)
-        for child in alive:
-            with contextlib.suppress(psutil.Error):
-                child.kill()
-        raise SystemExit(128 + signum)
-    signal.signal(signal.SIGTERM, handler)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    _end_children_on_sigterm()
+    signals.install()
     from flows.aliases import AliasError
-    from flows.dag import StageFailed
     from flows.lineage import LineageError
     try:
         code = args.func(args)
     except (InputError, FileNotFoundError, AliasError, LineageError) as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
-    except StageFailed as e:
+    except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
-        code = 1
+        code = e.code
+    except signals.Terminated as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BrokenPipeError:                    # `alignloop status | head`
+        sys.stdout = open(os.devnull, "w")     # noqa: SIM115 (no flush error at exit)
+        code = 0
+    if signals.received() is not None and code == 0:
+        code = 128 + int(signals.received() or 0)
     raise SystemExit(code)
 
 

@@ -273,12 +273,12 @@ def reproduce(root: Path, name: str, force: bool = False,
             with contextlib.redirect_stdout(io.StringIO()) if in_run_cache else \
                     contextlib.nullcontext():
                 repo.reproduce(targets=[name], single_item=True, force=force)
-        except ReproductionError:
+        except ReproductionError as e:
             # DVC removed the outputs before running; put the last good (locked) ones back
             with contextlib.suppress(Exception):
                 repo.checkout(targets=[name], force=True)
             remove_unlocked_outputs(root, name, [str(o.def_path) for o in stage.outs])
-            raise StageFailed(name) from None
+            raise StageFailed(name, _cause(e)) from None
     return StageRun(name, "restored" if in_run_cache else "ran", time.perf_counter() - t0)
 
 
@@ -302,10 +302,20 @@ def remove_unlocked_outputs(root: Path, name: str, outs: list[str]) -> list[str]
 
 
 class StageFailed(RuntimeError):
-    def __init__(self, name: str):
-        super().__init__(f"stage {name} failed (its message is above); its outputs are as "
-                         "they were before the run")
-        self.name = name
+    """A stage instance that did not complete; `detail` is DVC's account of why (the stage's
+    own one-line message, when it wrote one, is what the CLI shows instead)."""
+
+    def __init__(self, name: str, detail: str):
+        super().__init__(f"stage {name} failed: {detail}")
+        self.name, self.detail = name, detail
+
+
+def _cause(e: BaseException) -> str:
+    """The innermost message of DVC's exception chain, e.g. "failed to run: python -m
+    tasks.update --it 1, exited with 2" or "output 'x' is already tracked by SCM"."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return str(e) or type(e).__name__
 
 
 def _in_run_cache(repo: Repo, stage: Any) -> bool:

@@ -74,7 +74,24 @@ def environment(ws: Workspace) -> dict[str, str]:
 
 
 def apply_environment(ws: Workspace) -> None:
+    secure_state(ws)
     os.environ.update(environment(ws))
+
+
+def secure_state(ws: Workspace) -> None:
+    """The stores are the user's alone: `.alignloop/` is created 0700, and DVC's site cache
+    inside it is created before DVC would make it world-writable (DVC creates a missing one
+    0777 whatever the umask). The MLflow database is 0600 once it exists. Files the stages
+    write (data, models, metrics) follow the user's umask."""
+    if not ws.root.is_dir():
+        return
+    ws.state.mkdir(mode=0o700, exist_ok=True)
+    site = Path(os.environ.get("DVC_SITE_CACHE_DIR", str(ws.state / "dvc-site")))
+    if site.is_relative_to(ws.state):
+        (site / "repo").mkdir(mode=0o700, parents=True, exist_ok=True)
+    db = ws.state / "mlflow.db"
+    if db.is_file() and db.stat().st_mode & 0o077:
+        db.chmod(0o600)
 
 
 def git(root: Path, *args: str, check: bool = True) -> str:
@@ -137,8 +154,14 @@ def init(root: Path) -> bool:
         import io
 
         from dvc.repo import Repo
-        with contextlib.redirect_stdout(io.StringIO()):      # DVC's "commit to git" banner
-            Repo.init(str(root))
+        import logging
+        dvc_log = logging.getLogger("dvc")
+        level, dvc_log.level = dvc_log.level, logging.WARNING
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # DVC's "commit to git" banner
+                Repo.init(str(root))
+        finally:
+            dvc_log.setLevel(level)
         with Repo(str(root)).config.edit() as conf:
             conf["core"]["analytics"] = False
             conf["core"]["autostage"] = False
@@ -155,6 +178,18 @@ def init(root: Path) -> bool:
         atomic.write_text(readme, "Put your own preference pairs here (JSONL or a saved HF "
                                   "datasets directory) and set offpolicy.source: import.\n")
     return created
+
+
+def validate(root: Path, params_file: Path | None) -> Params:
+    """Load and check the params a run will use (the profile given, else the workspace's own
+    params.yaml, which a person may have edited) before anything is touched or any stage
+    runs: a typo fails here with file, line and key, not inside a stage."""
+    path = params_file if params_file is not None else root / layout.PARAMS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such params file")
+    params = load_params(path)
+    _check_model_path(params)
+    return params
 
 
 def prepare(root: Path, params_file: Path | None) -> tuple[Workspace, list[str]]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +18,9 @@ from tasks.errors import InputError
 from tasks.params import Params, load_params
 
 THREADS_ENV = "ALIGNLOOP_THREADS"   # a machine setting, not an experiment param: not in params
+CLI_PID_ENV = "ALIGNLOOP_CLI_PID"    # set by the CLI: a stage ends when that process is gone
+ERROR_FILE_ENV = "ALIGNLOOP_ERROR_FILE"  # set by the CLI: where a stage's one-line error goes
+LOG_FILE_ENV = "ALIGNLOOP_LOG_FILE"      # set by the CLI: where an unexpected traceback goes
 
 
 @dataclass(frozen=True)
@@ -48,10 +54,52 @@ def write_metrics(root: Path, rel: str, metrics: dict[str, float]) -> None:
     atomic.write_json(root / rel, {k: float(v) for k, v in sorted(metrics.items())})
 
 
+def _die_with_cli() -> None:
+    """Exit when the CLI that started this stage is gone (killed with -9, say): an orphaned
+    stage would go on training and writing into a workspace whose lock is released. Cheap:
+    a daemon thread looks twice a second."""
+    cli = os.environ.get(CLI_PID_ENV)
+    if not cli:
+        return
+    import psutil
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            try:
+                alive = psutil.Process(int(cli)).status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                alive = False
+            if not alive or os.getppid() != parent:
+                os._exit(137)
+    threading.Thread(target=watch, name="die-with-cli", daemon=True).start()
+
+
+def _fail(line: str, code: int) -> None:
+    """One line for the person: to the CLI's error file when run by it, else to stderr."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line.replace("\n", " ") + "\n")
+    else:
+        print(line, file=sys.stderr)
+    raise SystemExit(code)
+
+
 def run_main(body: Callable[[], None]) -> None:
-    """Run a stage body; user errors print one clear line and exit 2, without a traceback."""
+    """Run a stage body. User errors give one clear line and exit 2, without a traceback;
+    under the CLI an unexpected error gives one line too, its traceback going to the run's
+    log file (run by hand, e.g. `dvc repro`, it propagates as usual)."""
+    _die_with_cli()
     try:
         body()
     except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _fail(f"error: {e}", 2)
+    except Exception as e:
+        log = os.environ.get(LOG_FILE_ENV)
+        if not log:
+            raise
+        with open(log, "a", encoding="utf-8") as f:
+            traceback.print_exc(file=f)
+        _fail(f"error: {type(e).__name__}: {e} (traceback in {log})", 1)

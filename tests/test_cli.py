@@ -51,20 +51,23 @@ def test_missing_model_path_is_named(tmp_path):
     assert not (tmp_path / "ws").exists()
 
 
-def test_malformed_import_data_names_file_and_line_and_keeps_stored_pairs(tiny_run, tmp_path):
+def test_malformed_import_row_fails_in_one_line_and_leaves_the_workspace_byte_identical(
+        tiny_run, tmp_path):
     ws = tmp_path / "ws"
     shutil.copytree(tiny_run["ws"], ws, symlinks=True)
-    (ws / ".alignloop" / "mlflow.db").unlink()           # a fresh store for this copy
-    pool = ws / "data" / "iter_0" / "pairs_pool.jsonl"
-    stored = pool.read_bytes()
     (ws / "data" / "import" / "pairs.jsonl").write_bytes(
-        b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": ""}\n')
+        b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
+        b'{"prompt": "a", "chosen": "", "rejected": "c"}\n')
+    before = snapshot(ws)
     params = _bad_params(tmp_path, "  source: cold_start ", "  source: import ")
     proc = run_cli("run", "--params", str(params), "--workspace", str(ws), check=False)
-    assert proc.returncode == 1
-    assert "data/import/pairs.jsonl:2: field 'chosen' is empty" in proc.stderr
-    assert "stage collect_offpolicy failed" in proc.stderr
-    assert pool.read_bytes() == stored
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, proc.stderr                 # one line, no Prefect traceback
+    assert "stage collect_offpolicy failed" in lines[0]
+    assert "data/import/pairs.jsonl:2: field 'chosen' is empty" in lines[0]
+    assert "Traceback" not in proc.stdout
+    assert snapshot(ws) == before                      # params.yaml and metrics too
 
 
 def test_sigterm_ends_the_running_stage_and_the_prefect_server(tmp_path):

@@ -1,0 +1,61 @@
+"""SIGTERM and SIGINT end a run for certain: its processes stopped, a non-zero exit.
+
+The handler stops every process the CLI started (the running stage, the temporary Prefect
+server), remembers the signal and raises `Terminated` in the main thread. Library code may
+catch and swallow that exception (once, a SQLAlchemy callback did, and the run went on to
+record the iteration and exit 0), so the flow calls `check()` before each stage and each
+record step, and the CLI's exit code is taken from `received()` whatever the flow returned.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+from types import FrameType
+
+_received: list[int] = []
+
+
+class Terminated(SystemExit):
+    """The run was asked to stop by a signal; exit code 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+def received() -> int | None:
+    """The first signal received, if any."""
+    return _received[0] if _received else None
+
+
+def check() -> None:
+    """Raise Terminated if a signal was received (even if its exception was swallowed)."""
+    if _received:
+        raise Terminated(_received[0])
+
+
+def stop_children(timeout: float = 10.0) -> None:
+    """Terminate every descendant process, then kill those still alive after `timeout`."""
+    import psutil
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    first = not _received
+    _received.append(signum)
+    if first:                       # a second signal during clean-up must not cut it short
+        stop_children()
+        raise Terminated(signum)
+
+
+def install() -> None:
+    """End the run on SIGTERM (`kill PID`) and SIGINT (Ctrl-C) as described above."""
+    signal.signal(signal.SIGTERM, _handler)
+    signal.signal(signal.SIGINT, _handler)
