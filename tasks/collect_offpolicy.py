@@ -24,12 +24,14 @@ from tasks.rollout import load_prompts, sample_rollouts
 
 def import_pairs(path: Path, root: Path | None = None) -> list[PreferencePair]:
     """The user's pairs from `path`, which must lie inside `root`/data/import when a workspace
-    root is given; every row is checked first and all bad ones are reported together."""
+    root is given; every row is checked first: the first bad one is named, the rest counted."""
     if root is not None:
         inside_import_dir(path, root)
     res = read_pairs(path)
-    if res.errors:
-        raise DataError("\n".join(res.error_lines()))
+    if res.errors:                  # one line, as every stage error; the command lists them all
+        more = len(res.errors) - 1
+        raise DataError(res.errors[0] + (f" (and {more} more bad rows: `alignloop import "
+                                          f"{path}` lists them)" if more else ""))
     if not res.pairs:
         raise DataError(f"{path}: no preference pairs"
                         + (f" ({len(res.identical)} rows with chosen == rejected)"

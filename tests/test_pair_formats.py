@@ -196,3 +196,14 @@ def test_stage_reads_imports_only_from_inside_data_import(tmp_path: Path) -> Non
             inside_import_dir(path, root)
     write_jsonl(root / "data" / "import" / "pairs.jsonl", [HH])
     assert len(import_pairs(root / "data" / "import" / "pairs.jsonl", root)) == 1
+
+
+def test_stage_names_the_first_bad_row_in_one_line_with_a_count(tmp_path: Path) -> None:
+    root = tmp_path / "ws"
+    (root / "data" / "import").mkdir(parents=True)
+    path = write_jsonl(root / "data" / "import" / "p.jsonl",
+                       [{"prompt": "a", "chosen": "b"}, HH, {"chosen": 1}])
+    with pytest.raises(DataError) as e:
+        import_pairs(path, root)
+    assert str(e.value) == (f"{path}:1: missing field 'rejected' (and 1 more bad rows: "
+                            f"`alignloop import {path}` lists them)")
