@@ -1,12 +1,18 @@
 """Recurring iterations: each tick appends the next iteration to the workspace's params and
 runs the DAG (new iterations sample a fresh window of the train prompts).
 
-Never two iterations interleaved in one workspace: a tick holds an exclusive lock on the
-workspace for its whole run; an overlapping tick waits for it or is skipped (`overlap`), and
-either way says so in the log. A failed tick puts the workspace back as it was before it.
-"""
-from __future__ import annotations
+Never two iterations interleaved in one workspace. A served schedule runs at most one tick at
+a time by Prefect's deployment concurrency limit: an overlapping fire is cancelled before any
+process starts (`overlap="skip"`) or queued until the running tick ends (`"wait"`), and the
+flow run's state says so. Inside, a tick holds an exclusive lock on the workspace for its whole
+run (manual `run`, `rerun` and `tick` take it too); when it is held the tick waits or is
+skipped, before the pipeline (MLflow, DVC) is even imported. Every tick that starts is logged
+to `.alignloop/ticks.jsonl`. A failed tick puts the workspace back as it was before it.
 
+No `from __future__ import annotations` here: a served fire runs the flow in a fresh process
+from a cloudpickled copy and Prefect validates its parameters against the signature there. A
+string annotation ("Overlap") no longer resolves in that copy, and every fire failed.
+"""
 import contextlib
 import fcntl
 import json
@@ -16,16 +22,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from prefect import flow
+from prefect import flow, get_run_logger
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+from prefect.states import Completed, State
 
-from flows import pipeline
-from flows.pipeline import say
 from flows.workspace import Workspace, git
 from tasks import layout
 from tasks.params import iteration_numbers, parse_params
 
 Overlap = Literal["wait", "skip"]
 TICKS = "ticks.jsonl"          # in .alignloop/: when each tick started and ended, and why
+# what Prefect does with a fire while the deployment's one slot is taken
+COLLISION = {"skip": ConcurrencyLimitStrategy.CANCEL_NEW, "wait": ConcurrencyLimitStrategy.ENQUEUE}
 
 
 class Busy(RuntimeError):
@@ -65,6 +73,7 @@ def append_iteration(text: str) -> tuple[str, int]:
 
 
 def _log_tick(ws: Workspace, record: dict[str, object]) -> None:
+    ws.state.mkdir(parents=True, exist_ok=True)
     with (ws.state / TICKS).open("a") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
 
@@ -82,38 +91,81 @@ def _restore(ws: Workspace, head: str, iteration: int) -> None:
         repo.checkout(force=True)
 
 
+def _skipped(ws: Workspace, t0: float, why: str) -> str:
+    """Log a skipped tick (ticks.jsonl, terminal, Prefect log at WARNING so the UI shows it
+    at the CLI's quiet level); returns the line."""
+    _log_tick(ws, {"start": t0, "end": time.time(), "outcome": "skipped"})
+    line = f"tick: skipped ({why})"
+    print(line, flush=True)
+    with contextlib.suppress(Exception):      # outside a flow run (the CLI's pre-check)
+        get_run_logger().warning(line)
+    return line
+
+
+def skip_if_busy(ws: Workspace, overlap: Overlap) -> bool:
+    """With overlap "skip", True (and the skip logged) when another iteration holds the
+    workspace: checked in a second, before a flow run, the pipeline and its imports start."""
+    if overlap != "skip":
+        return False
+    try:
+        with workspace_lock(ws, "skip"):
+            return False
+    except Busy as e:
+        _skipped(ws, time.time(), str(e))
+        return True
+
+
+def _next_iteration(ws: Workspace, waited_s: float) -> dict[str, object]:
+    """Append the next iteration to params.yaml and run the DAG; called under the lock."""
+    from flows import pipeline                 # MLflow, DVC: only for a tick that runs
+    started = time.time()
+    head = git(ws.root, "rev-parse", "HEAD")
+    path = ws.root / layout.PARAMS_FILE
+    new, k = append_iteration(path.read_text())
+    path.write_text(new)
+    try:
+        summaries = pipeline.alignloop(str(ws.root))
+    except BaseException:
+        _restore(ws, head, k)
+        _log_tick(ws, {"iteration": k, "start": started, "end": time.time(),
+                       "outcome": "failed"})
+        pipeline.say(f"tick: iteration {k} failed; workspace restored to {head[:10]}")
+        raise
+    _log_tick(ws, {"iteration": k, "start": started, "end": time.time(), "outcome": "ran",
+                   "waited_s": round(waited_s, 3)})
+    pipeline.say(f"tick: iteration {k} done")
+    return {"iteration": k, "outcome": "ran", "summaries": summaries}
+
+
 @flow(name="alignloop-tick", flow_run_name="tick-{workspace}")
-def tick(workspace: str, overlap: Overlap = "wait") -> dict[str, object]:
-    """One scheduled iteration: append it to params.yaml, run the DAG, record it."""
+def tick(workspace: str, overlap: Overlap = "wait"
+         ) -> dict[str, object] | State[dict[str, object]]:
+    """One scheduled iteration: append it to params.yaml, run the DAG, record it. A tick that
+    finds the workspace busy with overlap "skip" ends in state Skipped (type COMPLETED)."""
     ws = Workspace(Path(workspace))
     t0 = time.time()
     try:
         with workspace_lock(ws, overlap):
-            started = time.time()
-            head = git(ws.root, "rev-parse", "HEAD")
-            path = ws.root / layout.PARAMS_FILE
-            new, k = append_iteration(path.read_text())
-            path.write_text(new)
-            try:
-                summaries = pipeline.alignloop(workspace)
-            except BaseException:
-                _restore(ws, head, k)
-                _log_tick(ws, {"iteration": k, "start": started, "end": time.time(),
-                               "outcome": "failed"})
-                say(f"tick: iteration {k} failed; workspace restored to {head[:10]}")
-                raise
-            _log_tick(ws, {"iteration": k, "start": started, "end": time.time(),
-                           "outcome": "ran", "waited_s": round(started - t0, 3)})
-            say(f"tick: iteration {k} done")
-            return {"iteration": k, "outcome": "ran", "summaries": summaries}
+            return _next_iteration(ws, time.time() - t0)
     except Busy as e:
-        _log_tick(ws, {"start": t0, "end": time.time(), "outcome": "skipped"})
-        say(f"tick: skipped ({e})")
-        return {"outcome": "skipped"}
+        return Completed(name="Skipped", message=_skipped(ws, t0, str(e)),
+                         data={"outcome": "skipped"})
 
 
-def serve(ws: Workspace, cron: str, overlap: Overlap) -> None:
-    """Serve the tick as a Prefect deployment on `cron` (blocks; Ctrl-C to stop)."""
-    tick.serve(name=f"alignloop-{ws.root.name}", cron=cron,
+def deployment_name(ws: Workspace) -> str:
+    return f"alignloop-{ws.root.name}"
+
+
+def serve(ws: Workspace, cron: str | None, overlap: Overlap,
+          interval: float | None = None) -> None:
+    """Serve the tick as a Prefect deployment on `cron` or every `interval` seconds (blocks;
+    Ctrl-C stops). Its concurrency limit of 1 (visible in the UI) makes Prefect cancel an
+    overlapping fire ("skip", state Cancelled: "Deployment concurrency limit reached.") or
+    hold it as AwaitingConcurrencySlot until the running tick ends ("wait")."""
+    if (cron is None) == (interval is None):
+        raise ValueError("serve: give exactly one of cron and interval")
+    tick.serve(name=deployment_name(ws), cron=cron, interval=interval,
                parameters={"workspace": str(ws.root), "overlap": overlap},
-               description=f"alignloop iterations in {ws.root}")
+               global_limit=ConcurrencyLimitConfig(limit=1,
+                                                   collision_strategy=COLLISION[overlap]),
+               description=f"alignloop iterations in {ws.root} (overlapping ticks: {overlap})")
