@@ -56,7 +56,7 @@ def find_packaged_gguf(package: str = DEFAULT_PACKAGE, filename: str | None = No
     return found[0]
 
 
-def _md5(path: Path) -> str:
+def file_md5(path: Path) -> str:
     with path.open("rb") as fh:
         return hashlib.file_digest(fh, "md5").hexdigest()
 
@@ -113,7 +113,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -
         # transformers 5 always writes safetensors (safe_serialization is gone).
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    md5 = _md5(gguf_path)
+    md5 = file_md5(gguf_path)
     return {
         "n_params": n_params,
         "dtype": dtype,

@@ -1,11 +1,14 @@
 """Stage `prepare_model`: the initial policy (iteration 0), saved as safetensors in the workspace.
 
-Sources: `tiny` (random init from a config, for tests), `gguf` (a GGUF file shipped inside an
-installed package, de-quantized once; the default SmolLM2-135M-Instruct), `hf_dir` (a local
-directory written by save_pretrained). The result is DVC-tracked, so the conversion runs once.
+Sources: `tiny` (random init from a config on SmolLM2's tokenizer, for tests), `gguf` (a GGUF
+file shipped inside an installed package, de-quantized once; the default SmolLM2-135M-Instruct),
+`hf_dir` (a local directory written by save_pretrained). The result is DVC-tracked, so the
+conversion runs once. The tiny tokenizer, read out of the GGUF, is cached in
+$ALIGNLOOP_CACHE_DIR, else in the workspace's git-ignored `.alignloop/cache`.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -14,6 +17,7 @@ from tasks import atomic, layout, lm, stage
 from tasks.params import ModelParams
 
 _HF_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja")
+WORKSPACE_CACHE = ".alignloop/cache"     # inside flows.workspace.STATE_DIR (git-ignored)
 
 
 def copy_hf_dir(src: Path, out_dir: Path) -> dict[str, object]:
@@ -31,8 +35,9 @@ def prepare(p: ModelParams, seed: int, out_dir: Path, root: Path) -> dict[str, o
     """Write the initial model and tokenizer into the (new, empty) out_dir; returns info
     (deterministic: it is stored with the model, and equal inputs must give equal bytes)."""
     if p.source == "tiny":
-        from tasks.tiny_model import save_tiny
-        info = save_tiny(p.tiny, seed, out_dir)
+        from tasks.tiny_model import CACHE_ENV, save_tiny
+        info = save_tiny(p.tiny, seed, out_dir,
+                         Path(os.environ.get(CACHE_ENV) or root / WORKSPACE_CACHE))
     elif p.source == "gguf":
         from tasks.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
         info = convert_gguf_to_hf(find_packaged_gguf(p.gguf_package, p.gguf_file or None), out_dir)

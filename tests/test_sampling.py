@@ -6,26 +6,52 @@ import copy
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from tasks import fast_llama, lm, sampling
 from tasks.params import TinyModelParams
 from tasks.records import Message
 from tasks.sampling import Sample, sample
-from tasks.tiny_model import build_tiny_model, build_tokenizer
+from tasks.tiny_model import build_tiny_model, special_ids
+from tasks.tiny_model import tokenizer as smollm2_tokenizer
 
 MAX_NEW = 10
 
 
+WORDS = """the a an and or but of to in on at for with is was it this that film movie story
+plot acting actors cast director scenes scene ending music score characters character review
+write short brief sentences two three what did you think give i we they very really quite so
+too not no more most some all its their his her one time way feels feel felt made makes watch
+watched see saw about like from as by be been has have had just also than then there here
+. , ! ?""".split() + [f"w{i}" for i in range(300)]   # 403 tokens, the size EOS biases assume
+
+
+def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A small word-level tokenizer with a chat template (a 403-token vocabulary keeps the
+    sampler's distribution tests cheap: thousands of draws over the whole vocabulary); the
+    sampler on SmolLM2's real tokenizer is tested below (test_real_tokenizer_...)."""
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>",
+               "<|end|>"]
+    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(special + WORDS)},
+                                      unk_token="<unk>"))
+    core.normalizer = normalizers.Lowercase()
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+        eos_token="</s>", additional_special_tokens=special[4:])
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> "
+                         "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    return tok
+
+
 @pytest.fixture(scope="module")
 def tok() -> transformers.PreTrainedTokenizerFast:
-    return build_tokenizer()
+    return word_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model(tok: transformers.PreTrainedTokenizerFast) -> transformers.LlamaForCausalLM:
-    ids = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
-           "eos_token_id": tok.eos_token_id}
-    return build_tiny_model(TinyModelParams(), len(tok), ids, seed=0)
+    return build_tiny_model(TinyModelParams(), len(tok), special_ids(tok), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -363,3 +389,27 @@ def test_draw_never_picks_a_zero_probability_token() -> None:
     cdf = torch.tensor([[0.2, 0.7, 1.0, 1.0, 1.0]], dtype=torch.float64)
     top = torch.tensor([1.0], dtype=torch.float64)
     assert int(sampling._first_above(cdf, top)) == 2
+
+
+# --- SmolLM2's real tokenizer: chat-rendered prompts, pad = eos --------------------------------
+
+def test_real_tokenizer_prompts_pad_equal_to_eos(tmp_path_factory: pytest.TempPathFactory
+                                                 ) -> None:
+    """The tiny profile's tokenizer (SmolLM2's, pad = eos = <|im_end|>): left-padded
+    chat-rendered prompts of real lengths; stored log-probs equal the full forward, a response
+    finishes exactly when it ends with EOS, and nothing follows it."""
+    real = smollm2_tokenizer(tmp_path_factory.getbasetemp() / "tokenizer-cache")
+    assert real.pad_token_id == real.eos_token_id and len(real) == 49152
+    policy = eos_heavy(build_tiny_model(TinyModelParams(), len(real), special_ids(real), 0),
+                       real.eos_token_id, 2.6)
+    texts = ["Hi.", "Write a short review of Jaws (1975).",
+             "In two sentences, what did you think of the acting and the ending of Heat?"]
+    rows = [lm.render_prompt(real, (Message("user", t),), 96) for t in texts]
+    assert len({len(r) for r in rows}) == 3 and min(len(r) for r in rows) > 30  # + system
+    samples = draw(policy, real, rows * 4, seed=3, batch_size=12)
+    assert {s.finished for s in samples} == {True, False}
+    expected = full_forward_logprobs(policy, real, rows * 4, samples, 1.0)
+    for s, ref in zip(samples, expected):
+        assert s.finished == (s.response_ids[-1] == real.eos_token_id)
+        assert real.eos_token_id not in s.response_ids[:-1]
+        assert max(abs(a - b) for a, b in zip(s.logprobs, ref)) < 1e-4
