@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from flows import crashpoints, dag, registry, signals, targets
+from flows import crashpoints, dag, registry, signals, targets, tracking
 from flows.workspace import Workspace, git, git_bytes
 from tasks import layout
 from tasks.params import load_params
@@ -113,17 +113,17 @@ def record_iteration(root: str, iteration: int, runs: list[dag.StageRun],
     sha = commit_iteration(path, iteration, runs, last)
     crashpoints.reach("git_commit", iteration)
     lock = dag.read_lock(path)
-    fp = registry.fingerprint(lock, [r.name for r in runs])
+    fp = dag.fingerprint(lock, [r.name for r in runs])
     summary: Summary = {"iteration": iteration, "git_commit": sha,
                         "stages": [asdict(r) for r in runs]}
     flow_run_id = str(flow_run.get_id() or "")
-    run_id = registry.iteration_run(registry.MlflowClient(), iteration, fp)
+    run_id = tracking.iteration_run(registry.MlflowClient(), iteration, fp)
     summary["recorded"] = "already" if run_id else "now"
     if run_id is None:
-        run_id = registry.log_iteration(path, iteration, runs, lock, sha, flow_run_id)
+        run_id = tracking.log_iteration(path, iteration, runs, lock, sha, flow_run_id)
     summary["mlflow_run_id"] = run_id
     summary["pushed"] = registry.MlflowClient().get_run(run_id).data.tags.get(
-        f"{registry.TAG}pushed")                     # set once its data reached the remote
+        f"{tracking.TAG}pushed")                     # set once its data reached the remote
     if iteration > 0:
         p = load_params(path / layout.PARAMS_FILE)
         common = {"git_commit": sha, "prefect_flow_run_id": flow_run_id,
@@ -156,17 +156,22 @@ def apply_gate(root: Path, iteration: int, version: str) -> str:
 
 
 def ensure_experiment(root: Path) -> None:
-    """With the workspace's own MLflow store, create the experiment with its artifact store
-    under .alignloop/ (MLflow's default, ./mlruns, is relative to wherever the run started).
-    A team's tracking server keeps its own artifact location."""
+    """Create the experiment, marked for model training; with the workspace's own MLflow store
+    its artifact store is under .alignloop/ (MLflow's default, ./mlruns, is relative to
+    wherever the run started). A team's tracking server keeps its own artifact location."""
     import mlflow
     ws = Workspace(root)
-    if mlflow.get_tracking_uri() != ws.mlflow_uri:
-        return
     client = registry.MlflowClient()
-    if client.get_experiment_by_name(registry.EXPERIMENT) is None:
-        client.create_experiment(registry.EXPERIMENT,
-                                 artifact_location=(ws.state / "mlflow-artifacts").as_uri())
+    exp = client.get_experiment_by_name(tracking.EXPERIMENT)
+    if exp is None:
+        location = (ws.state / "mlflow-artifacts").as_uri() \
+            if mlflow.get_tracking_uri() == ws.mlflow_uri else None
+        exp_id = client.create_experiment(tracking.EXPERIMENT, artifact_location=location)
+    else:
+        exp_id = exp.experiment_id
+    # MLflow 3 opens an experiment on its GenAI overview unless it is marked for training
+    if exp is None or exp.tags.get("mlflow.experimentKind") != "custom_model_development":
+        client.set_experiment_tag(exp_id, "mlflow.experimentKind", "custom_model_development")
 
 
 @task(name="report", cache_policy=NO_CACHE)
@@ -202,6 +207,15 @@ def publish_report(root: str, last: Summary) -> dict[str, str]:
     return done
 
 
+class _EmptyLabels(logging.Filter):
+    """DVC warns that the audit labels file is empty at every check of every train_rm stage
+    (16 lines a tiny run); it is empty until a person audits, which is no news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING and
+                    f"'{layout.AUDIT_LABELS}' is empty" in record.getMessage())
+
+
 @flow(name="alignloop", flow_run_name="alignloop-{workspace}")
 def alignloop(workspace: str, force: list[str] | None = None) -> list[Summary]:
     """Run every stage instance of the workspace's DAG, iteration by iteration.
@@ -211,7 +225,11 @@ def alignloop(workspace: str, force: list[str] | None = None) -> list[Summary]:
     """
     forced = set(force or [])
     root = Path(workspace)
-    logging.getLogger("dvc").setLevel(logging.WARNING)    # our [run]/[ran] lines say it
+    dvc_log = logging.getLogger("dvc")
+    dvc_log.setLevel(logging.WARNING)                     # our [run]/[ran] lines say it
+    empty = logging.getLogger("dvc.output")              # a filter acts where it is logged
+    if not any(isinstance(f, _EmptyLabels) for f in empty.filters):
+        empty.addFilter(_EmptyLabels())
     ensure_experiment(root)
     summaries = []
     stages = dag.ordered_stages(root)
@@ -225,7 +243,7 @@ def alignloop(workspace: str, force: list[str] | None = None) -> list[Summary]:
         if any(r.outcome != "cached" for r in runs) or not summary["pushed"]:
             crashpoints.reach("dvc_push", iteration)
             summary["pushed"] = push_data(workspace)
-            registry.MlflowClient().set_tag(summary["mlflow_run_id"], f"{registry.TAG}pushed",
+            registry.MlflowClient().set_tag(summary["mlflow_run_id"], f"{tracking.TAG}pushed",
                                             str(summary["pushed"]))
         summaries.append(summary)
     if summaries:

@@ -55,7 +55,7 @@ def _read_seconds(root: Path) -> dict[str, Any]:
 def record_seconds(root: Path, runs: Iterable[Any], lock: Mapping[str, Any]) -> None:
     """Remember the wall time of every stage that computed its outputs in `runs` (StageRuns),
     keyed to the lock entry it produced; cached and restored stages keep what they had."""
-    from flows.registry import fingerprint    # imports MLflow: only where a run records
+    from flows.dag import fingerprint
     ran = {r.name: r.seconds for r in runs if r.outcome == "ran" and r.name in lock}
     if not ran:
         return
@@ -69,7 +69,7 @@ def recorded_seconds(root: Path, names: Sequence[str], lock: Mapping[str, Any]
                      ) -> tuple[dict[str, float], list[str]]:
     """(stage -> seconds) for the stages whose recorded timing belongs to their current lock
     entry, and the names of those without one (never computed here, or restored)."""
-    from flows.registry import fingerprint
+    from flows.dag import fingerprint
     data = _read_seconds(root)
     timed, untimed = {}, []
     for name in names:

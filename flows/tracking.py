@@ -1,0 +1,199 @@
+"""MLflow runs of the loop, laid out for a person who audits in the MLflow UI.
+
+- One run per iteration (`iteration k`) with a nested run per stage instance, created with the
+  stages' real start and end times. A stage run carries its params, its metrics (at
+  step = iteration), its outcome, one `code_md5` for its source files, and every data/model
+  input as an MLflow dataset input whose name is the DVC path, whose digest is DVC's md5 and
+  whose source is that object in the DVC remote. The iteration run carries the iteration's
+  headline metrics too, so the runs table shows them.
+- One `loop` run per workspace holds the headline metrics of every iteration at step =
+  iteration: the chart of win rate, KL, length and RM accuracy against the iteration.
+- A run being logged is tagged `record: logging` until all of it is in; `iteration_run` finds
+  the finished one and deletes what a killed record step left half-logged.
+"""
+from __future__ import annotations
+
+import configparser
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+from flows import crashpoints
+from flows.dag import StageRun, fingerprint
+from flows.verify import object_path
+from tasks import layout
+
+EXPERIMENT = "alignloop"
+TAG = "alignloop."
+HEADLINE = ("eval/win_rate", "eval/win_rate_ci_low", "eval/gold_win_rate",
+            "eval/gold_win_rate_ci_low", "eval/rm_win_rate", "eval/bon_gold_win_rate", "eval/kl",
+            "eval/length_ratio", "eval/on_topic_rate", "eval/fluency_nll", "rm/accuracy")
+
+
+def entry_io(entry: dict[str, Any], kind: str) -> dict[str, str]:
+    """path -> md5 of an entry's deps or outs (directories carry a `.dir` md5)."""
+    return {d["path"]: d.get("md5", "") for d in entry.get(kind, [])}
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = str(value)
+
+
+def stage_metrics(root: Path, entry: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for path in entry_io(entry, "outs"):
+        if path.startswith("metrics/") and path.endswith(".json") and (root / path).is_file():
+            for k, v in json.loads((root / path).read_text()).items():
+                if isinstance(v, (int, float)) and v == v:       # NaN is not loggable
+                    out[k] = float(v)
+    return out
+
+
+def code_md5(entry: dict[str, Any]) -> str:
+    """One md5 for a stage's source files (each is a dep; ~40 tags folded into one)."""
+    code = sorted(f"{p}:{m}" for p, m in entry_io(entry, "deps").items()
+                  if p.startswith("tasks/"))
+    return hashlib.md5("\n".join(code).encode()).hexdigest()
+
+
+def remote_url(root: Path) -> str | None:
+    """The default DVC remote's URL (file:// for a local directory), from .dvc/config."""
+    conf = configparser.ConfigParser()
+    conf.read([root / ".dvc" / "config", root / ".dvc" / "config.local"])
+    name = conf.get("core", "remote", fallback=None)
+    url = conf.get(f"'remote \"{name}\"'", "url", fallback=None) if name else None
+    if url and "://" not in url:
+        path = Path(url)
+        url = (path if path.is_absolute() else (root / ".dvc" / path).resolve()).as_uri()
+    return url
+
+
+def _datasets(root: Path, entry: dict[str, Any], remote: str | None) -> list[DatasetInput]:
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.http_dataset_source import HTTPDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+    out = []
+    for path, md5 in entry_io(entry, "deps").items():
+        if path.startswith("tasks/") or not md5:
+            continue
+        where = f"{remote}/files/md5/{object_path(Path(), md5).as_posix()}" if remote else \
+            (root / path).as_uri()
+        try:
+            source = resolve_dataset_source(where)
+        except Exception:   # a remote scheme MLflow has no dataset source for
+            source = HTTPDatasetSource(where)
+        ds = MetaDataset(source=source, name=path, digest=md5)
+        kind = "model" if path.startswith("models/") else "data"
+        out.append(DatasetInput(ds._to_mlflow_entity(),   # noqa: SLF001 (the client API's type)
+                                [InputTag("mlflow.data.context", kind)]))
+    return out
+
+
+def iteration_run(client: MlflowClient, iteration: int, fp: str) -> str | None:
+    """The completely logged iteration run of these very lock entries, or None. Runs a killed
+    record step left half-logged are deleted with their stage runs, so that the run about to
+    be logged is the only one."""
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    if exp is None:
+        return None
+    runs = client.search_runs([exp.experiment_id], filter_string=(
+        f"tags.`{TAG}iteration` = '{iteration}' and tags.`{TAG}lock_fingerprint` = '{fp}'"),
+        order_by=["attributes.start_time ASC"])
+    pending = {r.info.run_id for r in runs if r.data.tags.get(f"{TAG}record") == "logging"}
+    done = None
+    for r in runs:
+        parent = r.data.tags.get("mlflow.parentRunId")
+        if r.info.run_id in pending or parent in pending:
+            client.delete_run(r.info.run_id)
+        elif parent is None and done is None:
+            done = r.info.run_id
+    return done
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def log_iteration(root: Path, iteration: int, runs: Sequence[StageRun], lock: dict[str, Any],
+                  git_commit: str, flow_run_id: str) -> str:
+    """Log the iteration run and its nested stage runs; returns the iteration run id."""
+    client = MlflowClient()
+    exp_id = mlflow.set_experiment(EXPERIMENT).experiment_id
+    now = time.time()
+    tags = {f"{TAG}iteration": str(iteration), f"{TAG}git_commit": git_commit,
+            f"{TAG}lock_fingerprint": fingerprint(lock, [r.name for r in runs]),
+            f"{TAG}prefect_flow_run_id": flow_run_id, f"{TAG}workspace": str(root),
+            f"{TAG}record": "logging"}       # until every stage run is in: see iteration_run
+    starts = [r.started for r in runs if r.started] or [now]
+    parent = client.create_run(exp_id, start_time=_ms(min(starts)), tags=tags,
+                               run_name=f"iteration {iteration}").info.run_id
+    remote, children, headline = remote_url(root), [], {}
+    for i, r in enumerate(runs):
+        entry = lock.get(r.name, {})
+        stage_tags = {**tags, "mlflow.parentRunId": parent, f"{TAG}dvc_stage": r.name,
+                      f"{TAG}outcome": r.outcome, f"{TAG}code_md5": code_md5(entry)}
+        stage_tags.update({f"{TAG}out:{p}": m for p, m in entry_io(entry, "outs").items()})
+        start = r.started or now
+        child = client.create_run(exp_id, start_time=_ms(start), tags=stage_tags,
+                                  run_name=r.name).info.run_id
+        params: dict[str, str] = {}
+        _flatten("", entry.get("params", {}).get(layout.PARAMS_FILE, {}), params)
+        metrics = {**stage_metrics(root, entry), "stage/seconds": r.seconds}
+        headline.update({k: v for k, v in metrics.items() if k in HEADLINE})
+        client.log_batch(child, params=[Param(k, v[:6000]) for k, v in params.items()],
+                         metrics=[Metric(k, v, _ms(now), iteration) for k, v in metrics.items()])
+        client.log_inputs(child, datasets=_datasets(root, entry, remote))
+        client.set_terminated(child, end_time=_ms(start + r.seconds))
+        children.append(child)
+        if i == len(runs) // 2:
+            crashpoints.reach("mlflow_run", iteration)
+    client.log_batch(parent, metrics=[Metric(k, v, _ms(now), iteration)
+                                      for k, v in headline.items()])
+    log_loop_point(client, exp_id, root, iteration, headline)
+    for run_id in children:
+        client.set_tag(run_id, f"{TAG}record", "done")
+    client.set_tag(parent, f"{TAG}record", "done")
+    ends = [(r.started or now) + r.seconds for r in runs] or [now]
+    client.set_terminated(parent, end_time=_ms(max(ends)))
+    return parent
+
+
+def loop_run(client: MlflowClient, exp_id: str, root: Path) -> str:
+    """The workspace's `loop` run (created on first use): one point per iteration."""
+    found = client.search_runs([exp_id], filter_string=(
+        f"tags.`{TAG}loop` = 'true' and tags.`{TAG}workspace` = '{root}'"), max_results=1)
+    if found:
+        return found[0].info.run_id
+    run = client.create_run(exp_id, run_name="loop", tags={
+        f"{TAG}loop": "true", f"{TAG}workspace": str(root),
+        "mlflow.note.content": "Headline metrics of every iteration of this workspace, at "
+                               "step = iteration (judge, gold and RM win rates, KL, length, "
+                               "RM accuracy): open Model metrics for the curves."})
+    return run.info.run_id
+
+
+def log_loop_point(client: MlflowClient, exp_id: str, root: Path, iteration: int,
+                   metrics: dict[str, float]) -> None:
+    """The iteration's headline metrics on the loop run, each once per (step, value): a record
+    step redone after a kill adds no second point."""
+    run_id = loop_run(client, exp_id, root)
+    new = []
+    for k, v in metrics.items():
+        seen = {(m.step, m.value) for m in client.get_metric_history(run_id, k)}
+        if (iteration, v) not in seen:
+            new.append(Metric(k, v, _ms(time.time()), iteration))
+    if new:
+        client.log_batch(run_id, metrics=new, tags=[RunTag(f"{TAG}last_iteration",
+                                                           str(iteration))])
+    client.set_terminated(run_id)             # finished as of this iteration
