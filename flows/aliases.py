@@ -19,11 +19,12 @@ from flows import crashpoints
 from flows.registry import POLICY_MODEL
 from flows.workspace import git
 from tasks import atomic
+from tasks.errors import InputError
 
 LEDGER = "registry/aliases.jsonl"
 
 
-class AliasError(RuntimeError):
+class AliasError(InputError):
     """A deploy or rollback that cannot be done (no champion, nothing to roll back to)."""
 
 

@@ -406,9 +406,51 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+EXAMPLES = """examples:
+  alignloop run                                # the default profile in ./workspace
+  alignloop run --params params/tiny.yaml --workspace /tmp/w   # a 2-minute demo
+  alignloop status --workspace /tmp/w          # what would rerun, and why (old -> new)
+  alignloop rerun train_rm@2 --downstream      # recompute one stage and what follows
+  alignloop import hh.jsonl --workspace /tmp/w # your own preference pairs (TRL formats)
+  alignloop lineage models:/alignloop-policy@champion --verify
+  alignloop server start && alignloop schedule --cron "0 3 * * 1"
+"""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("alignloop")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def cmd_dag(args: argparse.Namespace) -> int:
+    from flows import dag
+    root = _existing(args.workspace).root
+    if args.mermaid or args.dot:
+        import subprocess
+        out = subprocess.run([sys.executable, "-m", "dvc", "dag", "--mermaid" if args.mermaid
+                              else "--dot"], cwd=root, capture_output=True, text=True)
+        print(out.stdout, end="")
+        return out.returncode
+    for line in dag.outline(root):
+        print(line)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="alignloop", description=__doc__)
+    ap = argparse.ArgumentParser(prog="alignloop", description=__doc__, epilog=EXAMPLES,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"alignloop {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
+    dg = sub.add_parser("dag", help="the declared DAG, one line per iteration (or --mermaid, "
+                                    "--dot for a picture)")
+    dg.add_argument("--workspace", default=DEFAULT_WORKSPACE)
+    fmt = dg.add_mutually_exclusive_group()
+    fmt.add_argument("--mermaid", action="store_true")
+    fmt.add_argument("--dot", action="store_true")
+    dg.set_defaults(func=cmd_dag)
     run = sub.add_parser("run", help="run the loop (creates the workspace if needed)")
     run.add_argument("--params", help="params profile (default: the workspace's params.yaml, "
                                       "or params/default.yaml for a new workspace)")
@@ -473,11 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     signals.install()
-    from flows.aliases import AliasError
-    from flows.lineage import LineageError
     try:
         code = args.func(args)
-    except (InputError, FileNotFoundError, AliasError, LineageError) as e:
+        sys.stdout.flush()                      # a closed pipe shows here, not at exit
+    except (InputError, FileNotFoundError) as e:    # aliases' and lineage's errors too
         print(f"error: {e}", file=sys.stderr)
         code = 2
     except RunFailed as e:
@@ -486,7 +527,7 @@ def main(argv: list[str] | None = None) -> None:
     except signals.Terminated as e:
         code = e.code if isinstance(e.code, int) else 1
     except BrokenPipeError:                    # `alignloop status | head`
-        sys.stdout = open(os.devnull, "w")     # noqa: SIM115 (no flush error at exit)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no error at exit
         code = 0
     if signals.received() is not None and code == 0:
         code = 128 + int(signals.received() or 0)

@@ -69,7 +69,8 @@ class StageState:
     reasons: list[str] = field(default_factory=list)
 
 
-def _explain(changes: list[Any]) -> tuple[State, list[str]]:
+def _explain(changes: list[Any], locked_params: dict[str, Any],
+             params: dict[str, Any]) -> tuple[State, list[str]]:
     state: State = "up-to-date"
     reasons: list[str] = []
     for change in changes:
@@ -83,7 +84,10 @@ def _explain(changes: list[Any]) -> tuple[State, list[str]]:
                 state = "changed"
                 continue
             for path, how in items.items():
-                reasons.append(f"{kind.replace('changed ', '')} {path}: {how}")
+                if isinstance(how, dict):         # a params file: {key: "modified", ...}
+                    reasons += [_param_change(key, locked_params, params) for key in how]
+                else:
+                    reasons.append(f"{kind.replace('changed ', '')} {path}: {how}")
                 if kind == "changed outs" and how in ("deleted", "not in cache"):
                     state = "missing" if state == "up-to-date" else state
                 else:
@@ -91,20 +95,59 @@ def _explain(changes: list[Any]) -> tuple[State, list[str]]:
     return state, reasons
 
 
+def _flat(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = value
+    return out
+
+
+def _param_change(key: str, locked: dict[str, Any], params: dict[str, Any]) -> str:
+    """`param train_rm.lr: 0.001 -> 0.002` for each leaf under `key` that differs."""
+    def value(tree: dict[str, Any]) -> Any:
+        node: Any = tree
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+    old = _flat(key, value(locked), {})
+    new = _flat(key, value(params), {})
+    diffs = [f"{k}: {old.get(k, '(none)')} -> {new.get(k, '(none)')}"
+             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return "param " + ("; ".join(diffs) if diffs else f"{key}: modified")
+
+
 def stage_states(root: Path) -> list[StageState]:
     """up-to-date / changed (a dep, param or command changed) / missing (outputs absent)."""
     refs = ordered_stages(root)
-    locked = set(read_lock(root))
+    lock = read_lock(root)
+    params = yaml.load((root / "params.yaml").read_text(), Loader=_SafeLoader) or {}
     out = []
-    with contextlib.chdir(root), Repo(str(root)) as repo:
-        status = repo.status(targets=[r.name for r in refs])
+    status: dict[str, Any] = {}
+    with contextlib.chdir(root), Repo(str(root)) as repo, repo.lock:
+        for stage in repo.index.stages:   # one parse of dvc.yaml/lock (targets parse per stage)
+            status.update(stage.status(check_updates=True))
     for ref in refs:
-        if ref.name not in locked:
+        if ref.name not in lock:
             out.append(StageState(ref.name, "missing", ["never run (not in dvc.lock)"]))
             continue
-        state, reasons = _explain(status.get(ref.name, []))
+        locked = _unflatten(lock[ref.name].get("params", {}).get("params.yaml", {}))
+        state, reasons = _explain(status.get(ref.name, []), locked, params)
         out.append(StageState(ref.name, state, reasons))
     return out
+
+
+def _unflatten(values: dict[str, Any]) -> dict[str, Any]:
+    """dvc.lock's params ({"train_rm": {...}, "model.max_prompt_tokens": 48}) as one tree."""
+    tree: dict[str, Any] = {}
+    for key, value in values.items():
+        node = tree
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return tree
 
 
 def downstream(root: Path, name: str) -> list[str]:
@@ -129,11 +172,20 @@ def read_lock(root: Path) -> dict[str, Any]:
     return (yaml.load(path.read_text(), Loader=_SafeLoader) or {}).get("stages", {})
 
 
+def fingerprint(lock: dict[str, Any], names: list[str] | tuple[str, ...]) -> str:
+    """md5 of the lock entries of these stages: equal iff the same bytes were produced."""
+    import hashlib
+    import json
+    blob = json.dumps({n: lock.get(n) for n in sorted(names)}, sort_keys=True, default=str)
+    return hashlib.md5(blob.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class StageRun:
     name: str
     outcome: Outcome
     seconds: float
+    started: float = 0.0         # wall-clock start (epoch seconds), for the MLflow run's times
 
 
 # What a repo's index is parsed from: when none of these changed, a parsed index still holds.
@@ -258,16 +310,16 @@ def reproduce(root: Path, name: str, force: bool = False,
     """Bring one stage instance up to date: run it, restore it from the run-cache, or skip.
     With force, run its command whatever DVC's caches say. A session answers the common
     "nothing to do" case from its open repo; anything else goes through a fresh one."""
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     if session is not None and not force:
         if session.up_to_date(name):
-            return StageRun(name, "cached", time.perf_counter() - t0)
+            return StageRun(name, "cached", time.perf_counter() - t0, started)
     if session is not None:
         session.invalidate()                  # what follows may change dvc.lock and outputs
     with contextlib.chdir(root), Repo(str(root)) as repo:
         stage = next(s for s in repo.index.stages if s.addressing == name)
         if not force and not repo.status(targets=[name]).get(name) and name in read_lock(root):
-            return StageRun(name, "cached", time.perf_counter() - t0)
+            return StageRun(name, "cached", time.perf_counter() - t0, started)
         in_run_cache = not force and _in_run_cache(repo, stage)
         try:
             with contextlib.redirect_stdout(io.StringIO()) if in_run_cache else \
@@ -279,7 +331,8 @@ def reproduce(root: Path, name: str, force: bool = False,
                 repo.checkout(targets=[name], force=True)
             remove_unlocked_outputs(root, name, [str(o.def_path) for o in stage.outs])
             raise StageFailed(name, _cause(e)) from None
-    return StageRun(name, "restored" if in_run_cache else "ran", time.perf_counter() - t0)
+    return StageRun(name, "restored" if in_run_cache else "ran", time.perf_counter() - t0,
+                    started)
 
 
 def remove_unlocked_outputs(root: Path, name: str, outs: list[str]) -> list[str]:
@@ -324,3 +377,23 @@ def _in_run_cache(repo: Repo, stage: Any) -> bool:
         return repo.stage_cache._load(stage) is not None   # noqa: SLF001 (no public API)
     except Exception:   # the run-cache is an optimisation; never fail a run over it
         return False
+
+
+def outline(root: Path) -> list[str]:
+    """The DAG in a few lines a terminal can show: the set-up stages, then each iteration's
+    chain with what it takes from the one before (`dvc dag` draws 16 stages ~500 columns wide)."""
+    with contextlib.chdir(root), Repo(str(root)) as repo:
+        graph = repo.index.graph
+        deps = {n.addressing: sorted(d.addressing for d in graph.successors(n))
+                for n in graph.nodes}
+    by_iteration: dict[int, list[str]] = {}
+    for name in sorted(deps, key=_sort_key):
+        by_iteration.setdefault(parse_name(name).iteration, []).append(name)
+    lines = []
+    for it, names in sorted(by_iteration.items()):
+        outside = sorted({d for n in names for d in deps[n] if parse_name(d).iteration != it},
+                         key=_sort_key)
+        head = "set-up" if it == 0 else f"iteration {it}"
+        lines.append(f"{head}: {' -> '.join(names)}" +
+                     (f"   (uses {', '.join(outside)})" if outside else ""))
+    return lines

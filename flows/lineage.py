@@ -19,11 +19,12 @@ from flows.registry import params_md5
 from flows.verify import CACHE, object_path
 from flows.workspace import git
 from tasks import layout
+from tasks.errors import InputError
 
 URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 
 
-class LineageError(RuntimeError):
+class LineageError(InputError):
     """A model URI that does not resolve, or a workspace that lacks the recorded commit."""
 
 
