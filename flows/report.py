@@ -141,6 +141,14 @@ def _flags_cell(row: Row) -> str:
     return "none" if any(k.startswith("eval/flag_") for k in row) else "—"
 
 
+def _kl_cell(row: Row) -> str:
+    """The k1 estimate (mean log pi/ref over policy samples) is unbiased but noisy: on few
+    samples it can come out below 0, which a true KL never is; such a value is flagged."""
+    kl = value(row, "eval/kl")
+    return _num(kl, 2) + (" (< 0: noise of the k1 estimate)" if kl is not None and kl < 0
+                          else "")
+
+
 def _gate_cell(row: Row) -> str:
     gate = row.get("gate")
     if not gate:
@@ -154,7 +162,7 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str]], ...] = (
     ("gold WR [95% CI]", lambda r: _win_rate(r, GOLD)),
     ("judge n / tie / invalid", _counts),
     ("RM WR [95% CI]", lambda r: _win_rate(r, "eval/rm_win_rate")),
-    ("KL (nats)", lambda r: _num(value(r, "eval/kl"), 2)),
+    ("KL k1 (nats)", _kl_cell),
     ("RM held-out acc.", lambda r: _num(value(r, "rm/accuracy"))),
     ("on-topic policy / ref", _pair("eval/on_topic_rate", "eval/ref_on_topic_rate", 2)),
     ("length policy / ref", _pair("eval/length", "eval/ref_length", 1)),

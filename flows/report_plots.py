@@ -12,6 +12,12 @@ from typing import Any
 from flows.report import GOLD, JUDGE, Row, value
 
 Series = tuple[str, str]          # (metric key, legend label)
+# Honest axes: rates on [0, 1]; lengths and NLLs from 0, so run-to-run noise (fluency
+# 5.965-5.985 nats) is drawn as the flat line it is, not zoomed into a trend.
+RATE, FROM_ZERO = (0.0, 1.0), (0.0, None)
+LIMITS = {"win_rates": RATE, "rm_accuracy": RATE, "on_topic": RATE, "length": FROM_ZERO,
+          "fluency": FROM_ZERO}
+KL_LABEL = "KL(policy || reference), nats/response (k1: mean log-ratio of policy samples)"
 PLOTS: tuple[tuple[str, str, str, tuple[Series, ...]], ...] = (
     ("win_rates", "Win rate vs the reference", "win rate (ties half)",
      ((JUDGE, "judge"), (GOLD, "gold"))),
@@ -58,7 +64,7 @@ def _points(rows: Sequence[Row], x: str, y: str) -> list[tuple[Any, Any, Any, An
 
 
 def _series_plot(rows: Sequence[Row], title: str, ylabel: str, series: Sequence[Series],
-                 suspects: Sequence[int]) -> Any | None:
+                 suspects: Sequence[int], limits: tuple[float, float | None]) -> Any | None:
     fig, ax = _axes(title, "iteration", ylabel)
     drawn = False
     for key, label in series:
@@ -75,13 +81,14 @@ def _series_plot(rows: Sequence[Row], title: str, ylabel: str, series: Sequence[
         ax.axvspan(it - 0.3, it + 0.3, color="red", alpha=0.15,
                    label="suspect: judge up, gold not" if n == 0 else None)
     ax.set_xticks([r["iteration"] for r in rows])
+    top = limits[1] if limits[1] is not None else 1.1 * max(ax.get_ylim()[1], 1e-9)
+    ax.set_ylim(limits[0], top)
     ax.legend(fontsize="small")
     return fig
 
 
 def _reward_vs_kl(rows: Sequence[Row]) -> Any | None:
-    fig, ax = _axes("Reward vs KL to the reference", "KL(policy || reference), nats/response",
-                    "win rate vs the reference")
+    fig, ax = _axes("Reward vs KL to the reference", KL_LABEL, "win rate vs the reference")
     drawn = False
     for key, label in (("eval/rm_win_rate", "RM win rate"), (GOLD, "gold win rate")):
         pts = _points(rows, "eval/kl", key)
@@ -89,7 +96,8 @@ def _reward_vs_kl(rows: Sequence[Row]) -> Any | None:
             xs, ys, lo, hi, its = (list(c) for c in zip(*pts))
             _draw(ax, xs, ys, lo, hi, marker="o", label=label)
             for x, y, it in zip(xs, ys, its):
-                ax.annotate(f"it {it}", (x, y), textcoords="offset points", xytext=(4, 4),
+                note = f"it {it}" + (" (KL < 0: estimate noise)" if x < 0 else "")
+                ax.annotate(note, (x, y), textcoords="offset points", xytext=(4, 4),
                             fontsize="small")
             drawn = True
     for key, label in (("eval/bon_win_rate", "best-of-n, judge"),
@@ -101,13 +109,16 @@ def _reward_vs_kl(rows: Sequence[Row]) -> Any | None:
     if not drawn:
         return None
     ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+    ax.axvline(0.0, color="grey", lw=0.8, ls=":")     # a true KL is never below this
+    ax.set_ylim(*RATE)
     ax.legend(fontsize="small")
     return fig
 
 
 def render_plots(rows: Sequence[Row], suspects: Sequence[int]) -> dict[str, bytes]:
     """name -> PNG bytes, for each plot that has data."""
-    figs = {name: _series_plot(rows, title, ylabel, series, suspects if name == "win_rates" else ())
+    figs = {name: _series_plot(rows, title, ylabel, series,
+                               suspects if name == "win_rates" else (), LIMITS[name])
             for name, title, ylabel, series in PLOTS}
     figs["reward_vs_kl"] = _reward_vs_kl(rows)
     out = {}

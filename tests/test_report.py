@@ -307,3 +307,23 @@ def test_intervals_are_also_reported_as_pairs() -> None:
     assert m["eval/win_rate_ci"] == [0.7, 0.9]
     assert "eval/gold_win_rate_ci" not in m          # no high end: no pair
     assert m["eval/win_rate"] == 0.8
+
+
+def test_plots_have_honest_axes_and_a_negative_kl_is_flagged():
+    from flows import report_plots
+    rows = [{"iteration": 1, "eval/fluency_nll": 5.965, "eval/ref_fluency_nll": 5.97,
+             "eval/win_rate": 0.55, "eval/kl": -0.14, "eval/gold_win_rate": 0.5},
+            {"iteration": 2, "eval/fluency_nll": 5.985, "eval/ref_fluency_nll": 5.97,
+             "eval/win_rate": 0.60, "eval/kl": 0.3, "eval/gold_win_rate": 0.52}]
+    fluency = report_plots._series_plot(rows, "f", "nats", (("eval/fluency_nll", "p"),), (),
+                                        report_plots.LIMITS["fluency"])
+    low, high = fluency.axes[0].get_ylim()
+    assert low == 0.0 and high > 5.985           # noise of 0.02 nats is drawn flat
+    wins = report_plots._series_plot(rows, "w", "rate", (("eval/win_rate", "judge"),), (),
+                                     report_plots.LIMITS["win_rates"])
+    assert wins.axes[0].get_ylim() == (0.0, 1.0)
+    kl = report_plots._reward_vs_kl(rows)
+    assert "k1" in kl.axes[0].get_xlabel()
+    assert any("KL < 0" in t.get_text() for t in kl.axes[0].texts)
+    assert report._kl_cell(rows[0]) == "-0.14 (< 0: noise of the k1 estimate)"
+    assert report._kl_cell(rows[1]) == "0.30"
