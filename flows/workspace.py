@@ -8,7 +8,9 @@ as unchanged. Params are validated before anything in the workspace is touched.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -109,8 +111,8 @@ def git_bytes(root: Path, *args: str) -> bytes | None:
     return out.stdout if out.returncode == 0 else None
 
 
-def _sync_file(src: Path, dst: Path) -> bool:
-    data = src.read_bytes()
+def _sync_file(src: Path, dst: Path, data: bytes | None = None) -> bool:
+    data = src.read_bytes() if data is None else data
     if dst.is_file() and dst.read_bytes() == data:
         return False
     atomic.write_bytes(dst, data)
@@ -129,7 +131,8 @@ def sync_declaration(root: Path, params_file: Path) -> list[str]:
     pairs += [(f, root / "params" / "prompts" / f.name) for f in sorted(prompts.iterdir())
               if f.is_file()]
     for src, dst in pairs:
-        if _sync_file(src, dst):
+        data = profile_text(src).encode() if dst.name == layout.PARAMS_FILE else None
+        if _sync_file(src, dst, data):
             changed.append(str(dst.relative_to(root)))
     stale = {f.name for f in (root / "tasks").glob("*.py")} - \
         {f.name for f in (PROJECT_ROOT / "tasks").glob("*.py")}
@@ -188,24 +191,48 @@ def validate(root: Path, params_file: Path | None) -> Params:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such params file")
     params = load_params(path)
-    _check_model_path(params)
+    _check_model_path(params, path.parent)
     return params
 
 
 def prepare(root: Path, params_file: Path | None) -> tuple[Workspace, list[str]]:
     """Validate params, then init the workspace and sync the declaration into it."""
     root = root.resolve()
-    if params_file is not None:
-        params = load_params(params_file)          # fails before the workspace is touched
-        _check_model_path(params)
-    elif not (root / layout.PARAMS_FILE).is_file():
+    if params_file is None and not (root / layout.PARAMS_FILE).is_file():
         raise FileNotFoundError(f"{root}: no params.yaml; pass --params FILE")
+    validate(root, params_file)                    # fails before the workspace is touched
     init(root)
     changed = sync_declaration(root, params_file) if params_file is not None else []
     return Workspace(root), changed
 
 
-def _check_model_path(p: Params) -> None:
+def _check_model_path(p: Params, base: Path) -> None:
     from tasks.lm import check_model_dir
     if p.model.source == "hf_dir":
-        check_model_dir(Path(p.model.path).expanduser())
+        check_model_dir((base / Path(p.model.path).expanduser()).resolve())   # absolute wins
+
+
+_MODEL_PATH = re.compile(r"^(?P<indent>\s+)path:(?P<value>[^#\n]*?)(?P<rest>\s*(#.*)?)$")
+
+
+def profile_text(path: Path) -> str:
+    """The profile as the workspace's params.yaml: a relative `model.path` is relative to the
+    profile's own directory (the one rule for paths in params), so it is written there as the
+    absolute path it names; the rest of the text, comments included, is kept."""
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    in_model = False
+    for i, line in enumerate(lines):
+        if re.match(r"^\S", line):
+            in_model = line.startswith("model:")
+            continue
+        m = _MODEL_PATH.match(line.rstrip("\n")) if in_model else None
+        if m and len(m["indent"]) == 2:
+            import yaml
+            value = yaml.safe_load(m["value"]) or ""
+            if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+                absolute = (path.parent / value).resolve()
+                end = "\n" if line.endswith("\n") else ""
+                lines[i] = f"{m['indent']}path: {json.dumps(str(absolute))}{m['rest']}{end}"
+            break
+    return "".join(lines)

@@ -103,3 +103,21 @@ def test_sigterm_ends_the_running_stage_and_the_prefect_server(tmp_path):
         for p in [*children, psutil.Process(proc.pid)] if proc.poll() is None else children:
             with contextlib.suppress(psutil.Error):
                 p.kill()
+
+
+def test_relative_model_path_is_relative_to_the_profile_it_is_written_in(tmp_path):
+    from flows.workspace import profile_text
+    profile = tmp_path / "profiles" / "mine.yaml"
+    profile.parent.mkdir()
+    profile.write_text(TINY.read_text().replace("  source: tiny ", "  source: hf_dir ", 1)
+                       .replace('  path: ""                    # hf_dir only',
+                                '  path: ../models/own   # mine', 1))
+    text = profile_text(profile)
+    want = str((tmp_path / "models" / "own").resolve())
+    assert f'  path: "{want}"   # mine: a directory written by save_pretrained\n' in text
+    assert text.count("\n") == profile.read_text().count("\n")
+    proc = run_cli("run", "--params", str(profile), "--workspace", str(tmp_path / "ws"),
+                   check=False)
+    assert proc.returncode == 2
+    assert f"{want}: model directory does not exist" in proc.stderr   # not cwd-relative
+    assert not (tmp_path / "ws").exists()
