@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from tasks import fast_llama, lm, sampling
 from tasks.params import TinyModelParams
 from tasks.records import Message
 from tasks.sampling import Sample, sample
-from tasks.tiny_model import build_tiny_model, special_ids
+from tasks.tiny_model import CACHE_ENV, build_tiny_model, special_ids
 from tasks.tiny_model import tokenizer as smollm2_tokenizer
 
 MAX_NEW = 10
@@ -398,7 +400,8 @@ def test_real_tokenizer_prompts_pad_equal_to_eos(tmp_path_factory: pytest.TempPa
     """The tiny profile's tokenizer (SmolLM2's, pad = eos = <|im_end|>): left-padded
     chat-rendered prompts of real lengths; stored log-probs equal the full forward, a response
     finishes exactly when it ends with EOS, and nothing follows it."""
-    real = smollm2_tokenizer(tmp_path_factory.getbasetemp() / "tokenizer-cache")
+    real = smollm2_tokenizer(Path(os.environ.get(CACHE_ENV)
+                                  or tmp_path_factory.getbasetemp() / "tokenizer-cache"))
     assert real.pad_token_id == real.eos_token_id and len(real) == 49152
     policy = eos_heavy(build_tiny_model(TinyModelParams(), len(real), special_ids(real), 0),
                        real.eos_token_id, 2.6)
