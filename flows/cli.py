@@ -127,6 +127,8 @@ def _prefect_api(ws: wsmod.Workspace, log: Path) -> object | None:
         return None
     from flows.run_server import RunServer
     temp = RunServer(log).start()
+    assert temp.proc is not None
+    signals.spare(temp.proc.pid)              # stopped at exit, after the flow's last report
     os.environ["PREFECT_API_URL"] = temp.api_url
     return temp
 
@@ -135,6 +137,7 @@ def _flow(ws: wsmod.Workspace, force: list[str], server: object | None,
           logs: dict[str, Path]) -> list[dict]:
     if server is not None:
         server.wait()                         # type: ignore[attr-defined]
+    logging.captureWarnings(True)             # library warnings go to the log file too
     _quiet_prefect(logs["log"])
     from flows.pipeline import alignloop
     return alignloop(str(ws.root), force=force)

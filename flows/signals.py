@@ -13,6 +13,7 @@ import signal
 from types import FrameType
 
 _received: list[int] = []
+_spared: set[int] = set()       # ended at exit instead (the run's Prefect server)
 
 
 class Terminated(SystemExit):
@@ -34,10 +35,21 @@ def check() -> None:
         raise Terminated(_received[0])
 
 
+def spare(pid: int) -> None:
+    """Leave this child (and its children) running when a signal stops the others: the
+    run's Prefect server must outlive the flow's last report to it, and is ended at exit."""
+    _spared.add(pid)
+
+
 def stop_children(timeout: float = 10.0) -> None:
-    """Terminate every descendant process, then kill those still alive after `timeout`."""
+    """Terminate every descendant process but the spared ones, then kill those still alive
+    after `timeout`."""
     import psutil
-    children = psutil.Process().children(recursive=True)
+    spared = set(_spared)
+    for pid in _spared:
+        with contextlib.suppress(psutil.Error):
+            spared |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    children = [c for c in psutil.Process().children(recursive=True) if c.pid not in spared]
     for child in children:
         with contextlib.suppress(psutil.Error):
             child.terminate()

@@ -43,13 +43,16 @@ def run_cli(*args: str, check: bool = True, timeout: float = 600,
     return proc
 
 
-def snapshot(root: Path) -> dict[str, str]:
-    """md5 of every file a run may write, except the state stores and DVC's own tmp/cache."""
+def snapshot(root: Path, cache: bool = True) -> dict[str, str]:
+    """md5 of every file a run may write, except the state stores and DVC's tmp; without the
+    DVC cache when `cache` is False (a content-addressed store a failed run may add objects
+    to: outputs of the stages that succeeded before the failure, for DVC's run-cache)."""
     import hashlib
     out = {}
+    skip = (".alignloop/", ".git/", ".dvc/tmp/") + (() if cache else (".dvc/cache/",))
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
-        if p.is_file() and not rel.startswith((".alignloop/", ".git/", ".dvc/tmp/")):
+        if p.is_file() and not rel.startswith(skip):
             out[rel] = hashlib.md5(p.read_bytes()).hexdigest()
     return out
 

@@ -179,16 +179,16 @@ def _one_line_failure(proc: subprocess.CompletedProcess) -> str:
 
 
 def test_bad_audit_label_fails_in_one_line_and_leaves_the_workspace_byte_identical(ws):
-    before, head = snapshot(ws), _git(ws, "rev-parse", "HEAD")
+    head = _git(ws, "rev-parse", "HEAD")
     labels = ws / "audit" / "labels.jsonl"
     labels.write_text('{"pair_id": "x", "verdict": "chosen_ok"}\n'
                       '{"pair_id": "y", "verdict": "maybe"}\n')
-    before = snapshot(ws)                         # the person's edit is part of "before"
+    before = snapshot(ws, cache=False)            # the person's edit is part of "before"
     line = _one_line_failure(run_cli("run", "--params", str(TINY), "--workspace", str(ws),
                                      check=False))
     assert "audit/labels.jsonl:2" in line and "verdict" in line, line
     assert "stage train_rm@1 failed" in line
-    assert snapshot(ws) == before
+    assert snapshot(ws, cache=False) == before
     assert _git(ws, "rev-parse", "HEAD") == head
 
 
