@@ -72,8 +72,7 @@ def _run_flow(root: Path, params_file: Path | None, force: list[str]) -> int:
     t0 = time.perf_counter()
     logs = _run_logs(ws)
     server = _prefect_api(ws, logs["server"])  # starts while this run may wait for the lock
-    from flows.schedule import workspace_lock  # imports Prefect: after PREFECT_API_URL is set
-    with workspace_lock(ws, "wait"):          # never interleaved with another run or a tick
+    with wsmod.workspace_lock(ws, "wait"):    # never interleaved with another run or a tick
         checkpoint = recovery.take(root)
         recovery.sweep(root)                  # debris of a run killed before this one
         try:

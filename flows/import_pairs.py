@@ -50,9 +50,13 @@ def cmd_import(args: argparse.Namespace) -> int:
                          + (f" ({len(total.identical)} rows with chosen == rejected)"
                             if total.identical else ""))
     root = Path(args.workspace).resolve()
-    wsmod.init(root)
-    dest = root / layout.IMPORT_PAIRS
-    jsonl.write(dest, (p.to_record() for p in total.pairs))
+    root.mkdir(parents=True, exist_ok=True)
+    ws = wsmod.Workspace(root)
+    wsmod.secure_state(ws)
+    with wsmod.workspace_lock(ws, "wait"):     # not into a running iteration's inputs
+        wsmod.init(root)
+        dest = root / layout.IMPORT_PAIRS
+        jsonl.write(dest, (p.to_record() for p in total.pairs))
     print(f"imported {len(total.pairs)} pairs into {dest}: {total.rows} rows, {total.prompts} "
           f"prompts, {total.duplicates} duplicates dropped, {len(total.identical)} with "
           "chosen == rejected refused")

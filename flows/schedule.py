@@ -14,11 +14,9 @@ from a cloudpickled copy and Prefect validates its parameters against the signat
 string annotation ("Overlap") no longer resolves in that copy, and every fire failed.
 """
 import contextlib
-import fcntl
 import json
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -26,7 +24,7 @@ from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.states import Completed, State
 
-from flows.workspace import Workspace, git
+from flows.workspace import Busy, Workspace, git, workspace_lock
 from tasks import layout
 from tasks.params import iteration_numbers, parse_params
 
@@ -34,24 +32,6 @@ Overlap = Literal["wait", "skip"]
 TICKS = "ticks.jsonl"          # in .alignloop/: when each tick started and ended, and why
 # what Prefect does with a fire while the deployment's one slot is taken
 COLLISION = {"skip": ConcurrencyLimitStrategy.CANCEL_NEW, "wait": ConcurrencyLimitStrategy.ENQUEUE}
-
-
-class Busy(RuntimeError):
-    """Another iteration holds the workspace."""
-
-
-@contextlib.contextmanager
-def workspace_lock(ws: Workspace, overlap: Overlap) -> Iterator[None]:
-    ws.state.mkdir(parents=True, exist_ok=True)
-    with (ws.state / "iteration.lock").open("w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | (fcntl.LOCK_NB if overlap == "skip" else 0))
-        except BlockingIOError:
-            raise Busy(f"{ws.root}: another iteration is running") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def append_iteration(text: str) -> tuple[str, int]:

@@ -8,11 +8,14 @@ as unchanged. Params are validated before anything in the workspace is touched.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +38,10 @@ QUIET_ENV = {
     "GIT_COMMITTER_NAME": os.environ.get("GIT_COMMITTER_NAME", "alignloop"),
     "GIT_COMMITTER_EMAIL": os.environ.get("GIT_COMMITTER_EMAIL", "alignloop@localhost"),
 }
+
+
+class Busy(RuntimeError):
+    """Another iteration holds the workspace."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,23 @@ def environment(ws: Workspace) -> dict[str, str]:
     # stage commands run `python -m tasks.X`: make that the interpreter running alignloop
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     return env
+
+
+@contextlib.contextmanager
+def workspace_lock(ws: Workspace, overlap: str = "wait") -> Iterator[None]:
+    """Exclusive hold of the workspace (`.alignloop/iteration.lock`): `run`, `rerun`, ticks and
+    `import` take it, so no two of them interleave. overlap "wait" blocks until it is free,
+    "skip" raises Busy at once. Light to import: no Prefect, MLflow or DVC."""
+    ws.state.mkdir(parents=True, exist_ok=True)
+    with (ws.state / "iteration.lock").open("w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | (fcntl.LOCK_NB if overlap == "skip" else 0))
+        except BlockingIOError:
+            raise Busy(f"{ws.root}: another iteration is running") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def apply_environment(ws: Workspace) -> None:
