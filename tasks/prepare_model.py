@@ -28,7 +28,27 @@ def copy_hf_dir(src: Path, out_dir: Path) -> dict[str, object]:
         for f in src.glob(pattern):
             shutil.copy2(f, out_dir / f.name)
     lm.load_tokenizer(out_dir)            # fail now, not three stages later
+    check_weights(src, out_dir)
     return {"copied_from": str(src)}
+
+
+def check_weights(src: Path, out_dir: Path) -> None:
+    """Read every tensor of every weights file, then load the model once: a truncated or
+    corrupt file fails here, named, not two stages later as a raw SafetensorError."""
+    from safetensors import safe_open
+    for f in sorted(out_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    st.get_tensor(key)
+        except Exception as e:
+            raise lm.ModelError(f"{src / f.name}: unreadable weights "
+                                f"({type(e).__name__}: {e})") from None
+    try:
+        lm.load_causal_lm(out_dir)
+    except Exception as e:
+        raise lm.ModelError(f"{src}: not a loadable causal LM ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def prepare(p: ModelParams, seed: int, out_dir: Path, root: Path) -> dict[str, object]:

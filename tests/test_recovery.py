@@ -199,3 +199,26 @@ def test_stores_are_private_and_nothing_in_the_workspace_is_world_writable(tiny_
     writable = [str(p) for p in [ws, *ws.rglob("*")]
                 if not p.is_symlink() and p.stat().st_mode & 0o002]
     assert writable == []
+
+
+def test_truncated_model_weights_fail_in_one_line_and_leave_the_workspace_byte_identical(
+        ws, tmp_path, tmp_path_factory):
+    from test_own_model import save_own_model
+
+    from tasks.tiny_model import CACHE_ENV
+    from tasks.tiny_model import tokenizer as smollm2_tokenizer
+    tok = smollm2_tokenizer(Path(os.environ.get(CACHE_ENV)
+                                 or tmp_path_factory.getbasetemp() / "tokenizer-cache"))
+    src = tmp_path / "my-llama"
+    save_own_model(src, tok)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])   # cut short
+    profile = tmp_path / "own.yaml"
+    profile.write_text(TINY.read_text().replace("  source: tiny ", "  source: hf_dir ", 1)
+                       .replace('  path: ""', f'  path: "{src}"', 1))
+    before, head = snapshot(ws, cache=False), _git(ws, "rev-parse", "HEAD")
+    line = _one_line_failure(run_cli("run", "--params", str(profile), "--workspace", str(ws),
+                                     check=False))
+    assert "stage prepare_model failed" in line and f"{weights}: unreadable weights" in line
+    assert snapshot(ws, cache=False) == before       # params.yaml is the old profile's again
+    assert _git(ws, "rev-parse", "HEAD") == head
