@@ -13,7 +13,7 @@ from pathlib import Path
 
 import transformers
 
-from tasks import atomic, audit, jsonl, layout, lm, stage
+from tasks import atomic, audit, jsonl, layout, lm, mlflow_model, model_card, stage
 from tasks.jsonl import DataError
 from tasks.params import Params
 from tasks.records import PreferencePair, parse_pair
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         save_stats(tmp, {**stats, "precision": p.train_rm.precision})
         atomic.write_json(tmp / layout.MODEL_META, {"iteration": it, "role": "reward_model",
                                                     "pairs": len(pairs), "ensemble": len(members)})
+        mlflow_model.write_mlflow_model(tmp, "text-classification",
+                                        {"model_path": layout.reward_model(it)})
+        model_card.write_model_card(tmp, root, "train_rm", it, p, metrics)
     jsonl.write(root / layout.audit_queue(it), queue)
     stage.write_metrics(root, layout.metrics(it, "train_rm"), metrics)
     print(f"train_rm@{it}: {len(members)} member(s), {len(train)} train / {len(held)} held-out "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tasks import atomic, jsonl, layout, lm, stage, value_head
+from tasks import atomic, jsonl, layout, lm, mlflow_model, model_card, stage, value_head
 from tasks.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
 from tasks.params import Params
 from tasks.ppo import REPLAY_FILE, train_ppo
@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         atomic.write_json(tmp / layout.MODEL_META, {
             "iteration": it, "role": "policy", "algo": p.update.algo,
             "parent": layout.policy(it - 1), "reference": reference_dir(p, it)})
+        mlflow_model.write_mlflow_model(tmp, "text-generation", {"model_path": layout.policy(it)})
+        model_card.write_model_card(tmp, root, "update", it, p, metrics)
     stage.write_metrics(root, layout.metrics(it, "update"), metrics)
     print(f"update@{it}: {p.update.algo}, {int(metrics['update/steps'])} steps")
 
