@@ -25,6 +25,9 @@ from tasks.params import Params, load_params
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = ".alignloop"             # Prefect home, MLflow store, DVC remote, server pid/logs
 GITIGNORE = f"/{STATE_DIR}/\n__pycache__/\n"
+# MLflow writes this note into a model directory loaded through a models:/ URI; it is not an
+# output, so DVC must not see the directory as changed
+DVCIGNORE = ("registered_model_meta",)
 QUIET_ENV = {
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1", "DO_NOT_TRACK": "true",
@@ -195,6 +198,11 @@ def init(root: Path) -> bool:
             conf["core"]["remote"] = "local"
             conf["remote"]["local"] = {"url": str(ws.dvc_remote)}
         created = True
+    ignore = root / ".dvcignore"
+    lines = ignore.read_text().splitlines() if ignore.is_file() else []
+    missing = [x for x in DVCIGNORE if x not in lines]
+    if missing:
+        atomic.write_text(ignore, "\n".join(lines + missing) + "\n")
     ws.dvc_remote.mkdir(parents=True, exist_ok=True)
     (root / layout.IMPORT_DIR).mkdir(parents=True, exist_ok=True)
     labels = root / layout.AUDIT_LABELS          # the people's audited labels (git-tracked)

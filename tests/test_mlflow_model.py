@@ -179,10 +179,6 @@ def test_an_ensemble_loads_as_its_member_0(tiny_run, tmp_path):
     assert 0.0 <= pipe("a fine film")[0]["score"] <= 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="needs `registered_model_meta` in the workspace's "
-                   ".dvcignore (flows/workspace.py init, the lead's): MLflow writes that note "
-                   "into the directory a models:/ URI resolves to, and DVC then sees update@k "
-                   "and evaluate@k as changed")
 def test_dvc_sees_no_change_after_a_models_uri_load(tiny_run, tmp_path):
     """The note the first test saw MLflow write, in a copy of the workspace."""
     import subprocess
