@@ -32,8 +32,12 @@ def test_evaluate_param_reruns_only_evaluation(ws):
     changed = {s["stage"]: s["reasons"] for s in status if s["state"] != "up-to-date"}
     assert set(changed) == {"evaluate@1", "evaluate@2"}
     assert changed["evaluate@1"] == ["param evaluate.bootstrap: 500 -> 300"]   # old -> new
+    moves = (ws / "registry" / "aliases.jsonl").read_text()
     ran = ran_stages(_run(ws).stdout)
     assert {s for s in ran if not s.startswith("gate@")} == {"evaluate@1", "evaluate@2"}
+    # gate@1 and gate@2 reran: champion stays on the latest passing iteration, never moving
+    # back to v1 and forward again (two moves, two commits, v1 left if stopped between them)
+    assert (ws / "registry" / "aliases.jsonl").read_text() == moves
 
 
 def test_rm_param_reruns_rm_training_and_what_follows_only(ws):
