@@ -184,8 +184,7 @@ def test_bad_audit_label_fails_in_one_line_and_leaves_the_workspace_byte_identic
     labels.write_text('{"pair_id": "x", "verdict": "chosen_ok"}\n'
                       '{"pair_id": "y", "verdict": "maybe"}\n')
     before = snapshot(ws, cache=False)            # the person's edit is part of "before"
-    line = _one_line_failure(run_cli("run", "--params", str(TINY), "--workspace", str(ws),
-                                     check=False))
+    line = _one_line_failure(run_cli("run", "--workspace", str(ws), check=False))
     assert "audit/labels.jsonl:2" in line and "verdict" in line, line
     assert "stage train_rm@1 failed" in line
     assert snapshot(ws, cache=False) == before
