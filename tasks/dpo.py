@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from tasks import lm
+from tasks import lm, progress
 from tasks.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES, dpo_implicit_rewards
 from tasks.params import DPOParams
 from tasks.records import Rollout
@@ -64,6 +64,7 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
     loss_fn = DPO_LOSSES[p.loss]
     opt = torch.optim.AdamW(policy.parameters(), lr=p.lr, weight_decay=0.0)
     losses, accs, margins = [], [], []
+    pg = progress.track(p.epochs * -(-len(pairs) // p.batch_size), "steps", "pairs")
     policy.train()
     for _ in range(p.epochs):
         order = torch.randperm(len(pairs), generator=rng)
@@ -83,6 +84,8 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
                 accs.append(float((r_c > r_r).float().mean()))
                 margins.append(float((r_c - r_r).mean()))
             losses.append(loss.item())
+            pg.step(1, work=len(idx))
+    pg.close()
     policy.eval()
     return {"update/steps": float(len(losses)), "update/n_pairs": float(len(pairs)),
             "update/loss_first": losses[0], "update/loss_last": losses[-1],

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tasks import lm, offpolicy
+from tasks import lm, offpolicy, progress
 from tasks.errors import InputError
 from tasks.losses import kl_k1, kl_k3, ppo_clip_loss, ppo_value_loss, whiten
 from tasks.params import PPOParams
@@ -183,6 +183,7 @@ def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
                             weight_decay=0.0)
     stats: list[dict[str, float]] = []
     epochs_run, stopped = 0, False
+    pg = progress.track(p.epochs, "epochs", "epochs")
     policy.train()
     for _ in range(p.epochs):
         epochs_run += 1
@@ -195,8 +196,10 @@ def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
             loss.backward()
             opt.step()
             stats.append(st)
+        pg.step(1)
         if stopped:
             break
+    pg.close()
     policy.eval()
     metrics.update(_summary(stats, epochs_run, stopped, len(rs), n_reused, sc))
     return metrics

@@ -18,7 +18,7 @@ import torch
 import transformers
 from torch import Tensor
 
-from tasks import layout, lm
+from tasks import layout, lm, progress
 from tasks.losses import bradley_terry_margin_loss
 from tasks.params import TrainRMParams
 from tasks.records import PreferencePair, Prompt
@@ -225,6 +225,7 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
     """Fit the (margin) Bradley-Terry loss in place; `rng` orders the data. Returns loss stats."""
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=p.weight_decay)
     losses: list[float] = []
+    pg = progress.track(p.epochs * -(-len(train) // p.batch_size), "steps", "pairs")
     for _ in range(p.epochs):
         model.train()
         order = torch.randperm(len(train), generator=rng).tolist()
@@ -238,6 +239,8 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
             loss.backward()
             opt.step()
             losses.append(loss.item())
+            pg.step(1, work=len(batch))
+    pg.close()
     model.eval()
     return {"loss_first": losses[0] if losses else float("nan"),
             "loss_last": losses[-1] if losses else float("nan"), "steps": float(len(losses))}

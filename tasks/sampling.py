@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from tasks import fast_llama
+from tasks import fast_llama, progress
 
 BLOCK = 256             # vocabulary block of the two-level inverse CDF
 MIN_SHARD_ROWS = 4      # rows below which a batch is not split across threads
@@ -241,8 +241,11 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, batch_si
     make = _decoders(model, pad_id=pad_id, temperature=temperature,
                      max_new_tokens=max_new_tokens)
     out: list[Sample] = []
-    for start in range(0, len(prompts), batch_size):
-        out.extend(_sample_sharded(make, prompts[start: start + batch_size],
-                                   max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                                   top_p=top_p, generator=generator))
+    with progress.track(len(prompts), "samples", "tokens") as pg:
+        for start in range(0, len(prompts), batch_size):
+            batch = _sample_sharded(make, prompts[start: start + batch_size],
+                                    max_new_tokens=max_new_tokens, eos_id=eos_id,
+                                    pad_id=pad_id, top_p=top_p, generator=generator)
+            out.extend(batch)
+            pg.step(len(batch), work=sum(len(s.response_ids) for s in batch))
     return out
