@@ -26,6 +26,7 @@ def isolated_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "true",
            "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "DVC_NO_ANALYTICS": "1", "ALIGNLOOP_THREADS": "2",
+           "ALIGNLOOP_CACHE_DIR": str(base / "tokenizer-cache"),   # extracted once a session
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
     os.environ.update(env)
     return env
