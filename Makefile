@@ -33,7 +33,9 @@ run-tiny: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" -q
 
-# The `slow` tests: the real default model (SmolLM2-135M-Instruct), minutes each.
+# The `slow` tests, minutes each: the real default model (SmolLM2-135M-Instruct), and whole
+# extra loops through the CLI (kill -9 at every record-step write, served schedule fires,
+# imports, a user's own model, two concurrent runs). CI runs both targets.
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow -q
 

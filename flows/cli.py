@@ -136,9 +136,9 @@ def _flow(ws: wsmod.Workspace, force: list[str], server: object | None,
           logs: dict[str, Path]) -> list[dict]:
     if server is not None:
         server.wait()                         # type: ignore[attr-defined]
-    logging.captureWarnings(True)             # library warnings go to the log file too
-    _quiet_prefect(logs["log"])
-    from flows.pipeline import alignloop
+    from flows.pipeline import alignloop      # imports MLflow, which sets up its logger:
+    logging.captureWarnings(True)             # quieted after it; library warnings go to the
+    _quiet_prefect(logs["log"])               # log file too
     return alignloop(str(ws.root), force=force)
 
 
@@ -150,7 +150,7 @@ def _failure(e: BaseException, logs: dict[str, Path], restored: bool) -> RunFail
     import traceback
 
     from flows.dag import StageFailed
-    where = (f"the workspace is as it was before the run; " if restored else "") + \
+    where = ("the workspace is as it was before the run; " if restored else "") + \
         f"log {_short(logs['log'])}"
     if signals.received() is not None or isinstance(e, (signals.Terminated, KeyboardInterrupt)):
         sig = signals.received() or signal.SIGINT
@@ -220,12 +220,18 @@ def _quiet_prefect(log: Path | None = None) -> None:
     """Prefect's console output goes to the run's log file, not the terminal: its tracebacks
     of a failed task and flow (the CLI prints one line instead), the CancelledError noise of
     a server shutting down. INFO reaches the Prefect API, so the UI's flow-run page shows the
-    stage lines. Without a log file (commands that run no stages), it is quieted."""
+    stage lines. Without a log file (serving a schedule, a tick), Prefect's own console shows
+    warnings and errors as before; either way the noisy loggers are quieted."""
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if log else "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    for name in ("uvicorn", "uvicorn.error", "prefect.server", "asyncio", "httpx", "mlflow",
+                 "alembic"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    if log is None:                           # `schedule`, `tick`: Prefect's warnings show
+        return
     from prefect.logging.configuration import ensure_logging_setup
     ensure_logging_setup()
-    target: logging.Handler = logging.FileHandler(log) if log else logging.NullHandler()
+    target = logging.FileHandler(log)
     target.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     loggers = [logging.getLogger()] + [logging.getLogger(n) for n in
                                        list(logging.root.manager.loggerDict)]
@@ -235,9 +241,6 @@ def _quiet_prefect(log: Path | None = None) -> None:
                     type(h).__name__ in ("PrefectConsoleHandler", "_SafeStreamHandler"):
                 lg.removeHandler(h)
                 lg.addHandler(target)
-    for name in ("uvicorn", "uvicorn.error", "prefect.server", "asyncio", "httpx", "mlflow",
-                 "alembic"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -57,6 +57,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 N_PAIRS = 4 + 4 + 3 + 4            # rows 4 + 1 duplicate + 1 chosen == rejected, 4, 3, 2 + 2
 
 
+@pytest.mark.slow      # a whole extra loop through the CLI: minutes
 def test_import_then_run_trains_the_policy_on_the_imported_pairs(tiny_run, tmp_path, inputs):
     ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")
     out = run_cli("import", *inputs, "--split", "train,test", "--workspace", str(ws)).stdout

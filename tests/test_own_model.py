@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -42,6 +43,7 @@ def save_own_model(out: Path, tok: transformers.PreTrainedTokenizerBase) -> None
     tok.save_pretrained(out)
 
 
+@pytest.mark.slow      # a whole extra loop through the CLI: minutes
 def test_own_hf_dir_model_runs_the_loop_and_chats(tmp_path: Path,
                                                   tmp_path_factory) -> None:
     tok = smollm2_tokenizer(Path(os.environ.get(CACHE_ENV)

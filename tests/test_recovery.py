@@ -69,6 +69,7 @@ def ws(tiny_run, tmp_path) -> Path:
     return copy_workspace(tiny_run["ws"], tmp_path / "ws")
 
 
+@pytest.mark.slow      # a whole extra loop through the CLI: minutes
 def test_kill_minus_9_at_every_phase_then_resume_converges_on_one_ledger(ws):
     params = ws / "params.yaml"
     params.write_text(append_iteration(params.read_text())[0])      # iteration 3 to run
@@ -137,6 +138,7 @@ def test_kill_minus_9_at_every_phase_then_resume_converges_on_one_ledger(ws):
     assert _wait_gone(ws) == []
 
 
+@pytest.mark.slow      # a whole extra loop through the CLI: minutes
 def test_second_run_changes_nothing_until_it_holds_the_lock(ws, tmp_path):
     profiles = []
     for i, bootstrap in enumerate((300, 400)):

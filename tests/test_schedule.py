@@ -185,6 +185,7 @@ class Served:
         return self.log.read_text()[-3000:]
 
 
+@pytest.mark.slow      # a whole extra loop through the CLI: minutes
 def test_served_fires_run_a_tick_and_cancel_the_overlapping_one(ws, tmp_path):
     """The user's path: `server start`, then `schedule --interval 10` (overlap skip) against it.
     The first fire runs iteration 3 to the end (commit, policy v3 registered by that flow run);
