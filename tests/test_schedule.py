@@ -43,6 +43,7 @@ def test_append_iteration_keeps_comments_and_numbering():
     assert '  "3": {prev: 2}\n' in new
 
 
+@pytest.mark.slow      # two whole extra iterations through the CLI: minutes
 def test_two_ticks_fired_at_once_never_interleave(ws):
     procs = [_cli("tick", "--workspace", str(ws), "--overlap", "wait") for _ in range(2)]
     outs = [p.communicate(timeout=900) for p in procs]
