@@ -95,10 +95,11 @@ def _explain(changes: list[Any], locked_params: dict[str, Any],
     return state, reasons
 
 
-def _flat(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
+def flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """Nested params as dotted keys: {"a": {"b": 1}} -> {"a.b": 1} (into `out`)."""
     if isinstance(value, dict):
         for k, v in value.items():
-            _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
+            flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
     else:
         out[prefix] = value
     return out
@@ -111,8 +112,8 @@ def _param_change(key: str, locked: dict[str, Any], params: dict[str, Any]) -> s
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else None
         return node
-    old = _flat(key, value(locked), {})
-    new = _flat(key, value(params), {})
+    old = flatten(key, value(locked), {})
+    new = flatten(key, value(params), {})
     diffs = [f"{k}: {old.get(k, '(none)')} -> {new.get(k, '(none)')}"
              for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     return "param " + ("; ".join(diffs) if diffs else f"{key}: modified")
@@ -125,8 +126,11 @@ def stage_states(root: Path) -> list[StageState]:
     params = yaml.load((root / "params.yaml").read_text(), Loader=_SafeLoader) or {}
     out = []
     status: dict[str, Any] = {}
-    with contextlib.chdir(root), Repo(str(root)) as repo, repo.lock:
-        for stage in repo.index.stages:   # one parse of dvc.yaml/lock (targets parse per stage)
+    # the repo ordered_stages just parsed (parked), else a fresh one: one parse of dvc.yaml
+    # and dvc.lock answers every stage (status with targets parsed them once per target)
+    repo = _unpark(root, _declaration_key(root)) or Repo(str(root))
+    with contextlib.chdir(root), repo, repo.lock:
+        for stage in repo.index.stages:
             status.update(stage.status(check_updates=True))
     for ref in refs:
         if ref.name not in lock:
@@ -164,12 +168,15 @@ def downstream(root: Path, name: str) -> list[str]:
 _SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)   # libyaml: ~8x faster
 
 
-def read_lock(root: Path) -> dict[str, Any]:
-    """dvc.lock's stage entries: cmd, deps/outs with md5 and size, params values."""
-    path = root / "dvc.lock"
-    if not path.is_file():
-        return {}
-    return (yaml.load(path.read_text(), Loader=_SafeLoader) or {}).get("stages", {})
+def read_lock(root: Path, text: str | bytes | None = None) -> dict[str, Any]:
+    """dvc.lock's stage entries: cmd, deps/outs with md5 and size, params values (of the
+    workspace's file, or of `text`, e.g. dvc.lock at a commit)."""
+    if text is None:
+        path = root / "dvc.lock"
+        if not path.is_file():
+            return {}
+        text = path.read_text()
+    return (yaml.load(text, Loader=_SafeLoader) or {}).get("stages", {})
 
 
 def fingerprint(lock: dict[str, Any], names: list[str] | tuple[str, ...]) -> str:

@@ -15,7 +15,6 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
-import yaml
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
@@ -83,8 +82,8 @@ def commit_iteration(root: Path, iteration: int, runs: list[dag.StageRun],
     """
     names = [r.name for r in runs]
     lock = dag.read_lock(root)
-    head = yaml.safe_load(git_bytes(root, "show", "HEAD:dvc.lock") or b"") or {}
-    new = [n for n in names if lock.get(n) != head.get("stages", {}).get(n)]
+    head = dag.read_lock(root, git_bytes(root, "show", "HEAD:dvc.lock") or b"")
+    new = [n for n in names if lock.get(n) != head.get(n)]
     git(root, "add", "-A")
     if git(root, "status", "--porcelain") and (new or last):
         title = f"alignloop: iteration {iteration}" if new else "alignloop: declaration update"

@@ -26,7 +26,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from flows import crashpoints
-from flows.dag import StageRun, fingerprint
+from flows.dag import StageRun, fingerprint, flatten
 from flows.verify import object_path
 from tasks import layout
 
@@ -40,14 +40,6 @@ HEADLINE = ("eval/win_rate", "eval/win_rate_ci_low", "eval/gold_win_rate",
 def entry_io(entry: dict[str, Any], kind: str) -> dict[str, str]:
     """path -> md5 of an entry's deps or outs (directories carry a `.dir` md5)."""
     return {d["path"]: d.get("md5", "") for d in entry.get(kind, [])}
-
-
-def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
-    else:
-        out[prefix] = str(value)
 
 
 def stage_metrics(root: Path, entry: dict[str, Any]) -> dict[str, float]:
@@ -147,8 +139,8 @@ def log_iteration(root: Path, iteration: int, runs: Sequence[StageRun], lock: di
         start = r.started or now
         child = client.create_run(exp_id, start_time=_ms(start), tags=stage_tags,
                                   run_name=r.name).info.run_id
-        params: dict[str, str] = {}
-        _flatten("", entry.get("params", {}).get(layout.PARAMS_FILE, {}), params)
+        params = {k: str(v) for k, v in
+                  flatten("", entry.get("params", {}).get(layout.PARAMS_FILE, {}), {}).items()}
         metrics = {**stage_metrics(root, entry), "stage/seconds": r.seconds}
         headline.update({k: v for k, v in metrics.items() if k in HEADLINE})
         client.log_batch(child, params=[Param(k, v[:6000]) for k, v in params.items()],
