@@ -88,6 +88,7 @@ def check(m: Mapping[str, float], p: TargetParams, minutes: float | None) -> lis
         v = m.get(key, float("nan"))
         return float(v) if v is not None else float("nan")
     drop = get("eval/ref_on_topic_rate") - get("eval/on_topic_rate")
+    review_drop = get("eval/ref_review_rate") - get("eval/review_rate")
     drift = abs(get("eval/length_ratio") - 1.0)
     out = [
         Check("eval/gold_win_rate", get("eval/gold_win_rate"), f">= {p.min_gold_win_rate}",
@@ -99,6 +100,8 @@ def check(m: Mapping[str, float], p: TargetParams, minutes: float | None) -> lis
               get("eval/win_rate") >= p.min_win_rate),
         Check("on-topic drop vs reference", drop, f"<= {p.max_on_topic_drop}",
               drop <= p.max_on_topic_drop),
+        Check("review-rate drop vs reference", review_drop, f"<= {p.max_review_rate_drop}",
+              review_drop <= p.max_review_rate_drop),
         Check("|length_ratio - 1|", drift, f"<= {p.max_length_drift}",
               drift <= p.max_length_drift),
         Check("eval/n", get("eval/n"), f">= {p.min_n}", get("eval/n") >= p.min_n),

@@ -146,17 +146,21 @@ def _sync_file(src: Path, dst: Path, data: bytes | None = None) -> bool:
     return True
 
 
+DATA_DIRS = ("prompts", "gold")   # params/<dir>/*: versioned data the stages read
+
+
 def sync_declaration(root: Path, params_file: Path) -> list[str]:
-    """Copy dvc.yaml, tasks/*.py, params/prompts/* and the profile into the workspace."""
+    """Copy dvc.yaml, tasks/*.py, the versioned data under params/ (DATA_DIRS) and the profile
+    into the workspace."""
     if root.resolve() == PROJECT_ROOT:
         return []
     changed = []
     pairs = [(PROJECT_ROOT / "dvc.yaml", root / "dvc.yaml"),
              (params_file, root / layout.PARAMS_FILE)]
     pairs += [(f, root / "tasks" / f.name) for f in sorted((PROJECT_ROOT / "tasks").glob("*.py"))]
-    prompts = PROJECT_ROOT / "params" / "prompts"
-    pairs += [(f, root / "params" / "prompts" / f.name) for f in sorted(prompts.iterdir())
-              if f.is_file()]
+    for name in DATA_DIRS:
+        pairs += [(f, root / "params" / name / f.name)
+                  for f in sorted((PROJECT_ROOT / "params" / name).iterdir()) if f.is_file()]
     for src, dst in pairs:
         data = profile_text(src).encode() if dst.name == layout.PARAMS_FILE else None
         if _sync_file(src, dst, data):

@@ -133,6 +133,8 @@ def quality_metrics(g_pol: Sequence[GoldScore], g_ref: Sequence[GoldScore]) -> d
             "eval/ref_on_topic_rate": mean([float(g.on_topic) for g in g_ref]),
             "eval/fluent_rate": mean([float(g.fluent) for g in g_pol]),
             "eval/ref_fluent_rate": mean([float(g.fluent) for g in g_ref]),
+            "eval/review_rate": mean([float(g.review) for g in g_pol]),
+            "eval/ref_review_rate": mean([float(g.review) for g in g_ref]),
             "eval/fluency_nll": mean([g.nll for g in g_pol]),
             "eval/ref_fluency_nll": mean([g.nll for g in g_ref]),
             "eval/gold_sentiment": mean([g.sentiment for g in g_pol]),
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     del policy
     # 3. judge, gold and reward model verdicts
     metrics, verdicts = compare(make_judge(p.judge), pol, refs, p.evaluate.bootstrap, p.seed)
-    gold = GoldEvaluator(p.evaluate.gold)
+    gold = GoldEvaluator(p.evaluate.gold, root)
     g_metrics, g_verdicts, g_pol, g_ref = gold_compare(
         gold, pol, refs, subjects, mean_nll(ref_on_pol, mask), mean_nll(ref_logp, ref_mask),
         p.evaluate.bootstrap, p.seed)
@@ -222,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
          "on_topic_policy": ga.on_topic, "on_topic_reference": gb.on_topic,
          "similarity_policy": ga.similarity, "similarity_reference": gb.similarity,
          "nll_policy": ga.nll, "nll_reference": gb.nll,
+         "review_policy": ga.review, "review_reference": gb.review,
+         "register_policy": ga.register, "register_reference": gb.register,
          "rm_policy": float(x), "rm_reference": float(y)}
         for a, b, subj, v, gv, ga, gb, x, y in zip(pol, refs, subjects, verdicts, g_verdicts,
                                                    g_pol, g_ref, r_pol.tolist(),
@@ -232,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
           f"gold {metrics['eval/gold_win_rate']:.3f} [{metrics['eval/gold_win_rate_ci_low']:.3f}"
           f", {metrics['eval/gold_win_rate_ci_high']:.3f}], on-topic "
           f"{metrics['eval/on_topic_rate']:.2f} (ref {metrics['eval/ref_on_topic_rate']:.2f}), "
+          f"reviews {metrics['eval/review_rate']:.2f} (ref {metrics['eval/ref_review_rate']:.2f}), "
           f"KL {metrics['eval/kl']:.3f}")
 
 
@@ -261,6 +266,7 @@ def evaluate_best_of_n(p: Params, root: Path, rm: torch.nn.Module, gold: GoldEva
             "eval/bon_gold_win_rate_ci_low": g_m["eval/bon_gold_win_rate_ci_low"],
             "eval/bon_gold_win_rate_ci_high": g_m["eval/bon_gold_win_rate_ci_high"],
             "eval/bon_on_topic_rate": sum(g.on_topic for g in g_pol) / len(g_pol),
+            "eval/bon_review_rate": sum(g.review for g in g_pol) / len(g_pol),
             "eval/bon_kl": best_of_n_kl(bon.n)}
 
 

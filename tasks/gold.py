@@ -8,12 +8,15 @@ optimise against it. It asks three questions of each response to "review movie X
   pooled, as the model was trained) between the response and the subject's title, at least
   `on_topic_threshold` (calibrated on reference samples: `benchmarks/calibrate_gold.py`);
 - fluency: the reference model's mean per-token NLL of the response, at most `max_nll`
-  (also calibrated there: most of the reference's own samples pass).
+  (also calibrated there: most of the reference's own samples pass);
+- review: is it a review at all, not a letter, an assistant's reply, a request for the reader's
+  opinion or a thank-you note (tasks/genre.py: a classifier on the same embeddings, fitted on
+  hand-written sentences, calibrated on hand-labelled samples: `benchmarks/calibrate_genre.py`).
 
 The rule (pairwise, policy vs reference on the same prompt): a response is *valid* when it is
-on-topic and fluent. Exactly one valid: it wins. Neither: tie. Both: the higher AFINN sentiment
-wins, equal sentiment is a tie. A thank-you note full of gushing words is off-topic and loses to
-a lukewarm review of the film.
+on-topic, fluent and a review. Exactly one valid: it wins. Neither: tie. Both: the higher AFINN sentiment
+wins, equal sentiment is a tie. A thank-you note full of gushing words, or a letter that names the
+film, loses to a lukewarm review of it.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tasks.genre import RegisterClassifier
 from tasks.judges import Verdict
 from tasks.params import GoldParams
 
@@ -38,10 +42,12 @@ class GoldScore:
     nll: float              # mean per-token NLL under the reference model (nats)
     on_topic: bool
     fluent: bool
+    register: float = 0.0   # highest correspondence probability of its sentences
+    review: bool = True     # register below gold.review_threshold
 
     @property
     def valid(self) -> bool:
-        return self.on_topic and self.fluent
+        return self.on_topic and self.fluent and self.review
 
 
 def gold_verdict(a: GoldScore, b: GoldScore) -> Verdict:
@@ -97,6 +103,7 @@ def subject_title(subject: str) -> str:
 @dataclass
 class GoldEvaluator:
     p: GoldParams
+    root: Path = Path(".")          # the workspace: register_examples_file is relative to it
 
     @cached_property
     def embedder(self) -> SentenceEmbedder:
@@ -106,6 +113,11 @@ class GoldEvaluator:
     def afinn(self) -> object:
         from afinn import Afinn
         return Afinn(language="en")
+
+    @cached_property
+    def register_check(self) -> RegisterClassifier:
+        return RegisterClassifier.fit(self.embedder.embed, self.root / self.p.register_examples_file,
+                                      self.p.register_l2)
 
     def sentiment(self, texts: Sequence[str]) -> list[float]:
         return [float(self.afinn.score(t)) for t in texts]       # type: ignore[attr-defined]
@@ -122,8 +134,10 @@ class GoldEvaluator:
     def score(self, responses: Sequence[str], subjects: Sequence[str],
               nll: Sequence[float]) -> list[GoldScore]:
         sims = self.similarity(responses, subjects).tolist()
-        return [GoldScore(s, sim, n, sim >= self.p.on_topic_threshold, n <= self.p.max_nll)
-                for s, sim, n in zip(self.sentiment(responses), sims, nll)]
+        registers = self.register_check.register(responses)
+        return [GoldScore(s, sim, n, sim >= self.p.on_topic_threshold, n <= self.p.max_nll,
+                          reg, reg < self.p.review_threshold)
+                for s, sim, n, reg in zip(self.sentiment(responses), sims, nll, registers)]
 
 
 def mean_nll(logprobs: Tensor, mask: Tensor) -> list[float]:

@@ -2,16 +2,19 @@
 
 For each prompt the judge scores its K samples; best and worst (and, with `pairs_per_prompt` > 1,
 second best and second worst, ...) are compared in both orders and become preference pairs when
-the verdict is clear. The new pairs join the pool that the next
+the verdict is clear: DPO's pairs. The reward model learns from more: with `pool_pairs: all`,
+every pair of the K samples whose scores differ by at least `pool_margin` and whose verdict
+holds in both orders (up to K(K-1)/2 per prompt, 28 at K = 8) joins the pool that the next
 reward model trains on: off-policy cold start, on-policy iteration.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import groupby
+from itertools import combinations, groupby
 
 from tasks import jsonl, layout, stage
 from tasks.judges import PointwiseJudge, Verdict, judge_pair, make_judge, verdict_rates
+from tasks.params import JudgeParams
 from tasks.records import PreferencePair, Prompt, Rollout, Sampled, parse_pair, parse_rollout
 
 # (prompt, response texts, meta for its pairs[, each response's sampled tokens])
@@ -53,27 +56,61 @@ def ranked_pairs(judge: PointwiseJudge, prompt: Prompt, responses: Sequence[str]
     return pairs, verdicts, scores
 
 
+def margin_pairs(judge: PointwiseJudge, prompt: Prompt, responses: Sequence[str],
+                 scores: Sequence[float | None], source: str, meta: dict[str, object],
+                 margin: float, sampled: Sequence[Sampled] = ()) -> list[PreferencePair]:
+    """Every pair (i, j) of one prompt's valid responses whose scores differ by at least
+    `margin`, the higher one chosen, kept when the judge agrees in both orders."""
+    pairs = []
+    for i, j in combinations(range(len(responses)), 2):
+        si, sj = scores[i], scores[j]
+        if si is None or sj is None or abs(si - sj) < margin or responses[i] == responses[j]:
+            continue
+        hi, lo = (i, j) if si > sj else (j, i)
+        if judge_pair(judge, prompt, responses[hi], responses[lo]) != "A":
+            continue
+        tokens = {responses[k]: sampled[k] for k in (hi, lo)} if sampled else {}
+        pairs.append(PreferencePair(prompt, responses[hi], responses[lo], source, {
+            **meta, "judge": f"{judge.kind}:{judge.version}", "pair_rank": -1,
+            "score_chosen": scores[hi], "score_rejected": scores[lo]}, tokens))
+    return pairs
+
+
+def union(first: Sequence[PreferencePair], more: Sequence[PreferencePair]) -> list[PreferencePair]:
+    """`first`, then the pairs of `more` whose (prompt, chosen, rejected) it lacks."""
+    key = lambda p: (p.prompt, p.chosen, p.rejected)  # noqa: E731
+    seen = {key(p) for p in first}
+    return list(first) + [p for p in more if key(p) not in seen]
+
+
 def judge_groups(judge: PointwiseJudge, groups: Sequence[Group], source: str,
-                 pairs_per_prompt: int = 1) -> tuple[list[PreferencePair], dict[str, float]]:
-    """Ranked pairs for every group of responses, with verdict rates and score stats."""
-    pairs, verdicts, all_scores = [], [], []
+                 pairs_per_prompt: int = 1, pool_margin: float | None = None
+                 ) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, float]]:
+    """Ranked pairs (DPO's) and pool pairs (the reward model's: the ranked ones, plus with
+    `pool_margin` every margin pair) for every group of responses, with verdict rates and
+    score stats."""
+    pairs, pool, verdicts, all_scores = [], [], [], []
     for prompt, responses, meta, *sampled in groups:
         group_pairs, group_verdicts, scores = ranked_pairs(
             judge, prompt, responses, source, meta, pairs_per_prompt, *sampled)
         verdicts.extend(group_verdicts)
         all_scores.extend(scores)
         pairs.extend(group_pairs)
+        more = [] if pool_margin is None else margin_pairs(
+            judge, prompt, responses, scores, source, meta, pool_margin, *sampled)
+        pool.extend(union(group_pairs, more))
     valid = [s for s in all_scores if s is not None]
     metrics = {f"judge/{k}": v for k, v in verdict_rates(verdicts).items()}
     metrics.update({
         "judge/n_pairs": float(len(pairs)),
+        "judge/n_pool_pairs": float(len(pool)),
         "judge/n_prompts_with_pair": float(len({p.meta.get("prompt_id", i)
                                                 for i, p in enumerate(pairs)})),
         "judge/n_responses": float(len(all_scores)),
         "judge/invalid_response_rate": 1 - len(valid) / max(len(all_scores), 1),
         "judge/mean_score": sum(valid) / max(len(valid), 1),
     })
-    return pairs, metrics
+    return pairs, pool, metrics
 
 
 def rollout_groups(rollouts: Sequence[Rollout], iteration: int) -> list[Group]:
@@ -91,14 +128,21 @@ def main(argv: list[str] | None = None) -> None:
     rollouts = [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
     groups = rollout_groups(rollouts, it)
     jp = args.params.judge
-    pairs, metrics = judge_groups(make_judge(jp), groups, f"iter_{it}", jp.pairs_per_prompt)
+    pairs, new, metrics = judge_groups(make_judge(jp), groups, f"iter_{it}",
+                                       jp.pairs_per_prompt, pool_margin(jp))
     pool_path = str(root / layout.pairs_pool(it - 1))
     pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
     jsonl.write(root / layout.pairs(it), (p.to_record() for p in pairs))
-    jsonl.write(root / layout.pairs_pool(it), (p.to_record() for p in pool + pairs))
-    metrics["judge/pool_size"] = float(len(pool) + len(pairs))
+    jsonl.write(root / layout.pairs_pool(it), (p.to_record() for p in pool + new))
+    metrics["judge/pool_size"] = float(len(pool) + len(new))
     stage.write_metrics(root, layout.metrics(it, "judge"), metrics)
-    print(f"judge@{it}: {len(pairs)} pairs from {len(groups)} prompts; pool {len(pool) + len(pairs)}")
+    print(f"judge@{it}: {len(pairs)} pairs from {len(groups)} prompts, {len(new)} for the reward "
+          f"model; pool {len(pool) + len(new)}")
+
+
+def pool_margin(jp: JudgeParams) -> float | None:
+    """The score gap that makes a margin pair (pool_pairs: all), None for ranked pairs only."""
+    return max(jp.pool_margin, jp.tie_margin) if jp.pool_pairs == "all" else None
 
 
 if __name__ == "__main__":

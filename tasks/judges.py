@@ -10,6 +10,7 @@ or `PointwiseJudge` and register in `JUDGES`.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -122,6 +123,42 @@ class TopicLexiconJudge(LexiconJudge):
                                    self.tie_margin)
 
 
+# Correspondence cues: a salutation or sign-off, thanks, talk about the conversation or the
+# reader, an offer of help, a question put to the reader. Written from what a review is not
+# (the genres a review prompt can drift into), independently of the gold evaluator's
+# classifier (tasks/genre.py), which the loop never sees.
+_CORRESPONDENCE = re.compile(r"""
+    ^\W*(dear|hi|hello|hey|greetings)\b
+  | \b(best|kind|warm)\ regards\b | \bsincerely\b | \byours\ truly\b | \[your\ name\]
+  | \bthank(s|\ you)\b | \bgrateful\b | \bappreciate\ (you|your|it)\b
+  | \b(i'm|i\ am)\ (so\ )?(glad|happy|thrilled|excited|delighted|sorry)\ (you|to\ (help|share|hear|assist))
+  | \bhope\ (this|you|my)\b | \bfinds\ you\b
+  | \blet\ me\ know\b | \btell\ me\b | \byour\ (thoughts|opinion|recommendation|message|blog|question)
+  | \bwhat\ do\ you\ think\b | \bfeel\ free\b | \bhappy\ to\ help\b | \bcan\ i\ help\b
+  | \bas\ an\ ai\b | \bai\ (language\ )?(model|assistant|system)\b
+  | \byou[^.!?]*\?
+""", re.IGNORECASE | re.VERBOSE)
+
+
+def correspondence(response: str) -> bool:
+    """The response reads as a letter, an assistant's reply, a request for the reader's opinion
+    or a thank-you note rather than a review: one lexical cue anywhere is enough."""
+    return bool(_CORRESPONDENCE.search(response.replace("\u2019", "'")))
+
+
+@dataclass(frozen=True)
+class ReviewLexiconJudge(TopicLexiconJudge):
+    """`lexicon_topic`, minus `register_penalty` when the response reads as correspondence
+    (`correspondence`): the judge's own register check, so that the loop does not learn that a
+    happy letter naming the film beats a review."""
+    register_penalty: float = 1.0
+    kind: str = "lexicon_review"
+
+    def _scored(self, prompt: Prompt, text: str) -> float | None:
+        s = super()._scored(prompt, text)
+        return s if s is None or not correspondence(text) else s - self.register_penalty
+
+
 def verdict_from_scores(a: float | None, b: float | None, tie_margin: float) -> Verdict:
     if a is None or b is None:
         return "invalid"
@@ -134,6 +171,9 @@ JUDGES: dict[str, Callable[[JudgeParams], PointwiseJudge]] = {
     "lexicon": lambda p: LexiconJudge(p.tie_margin, p.min_words, p.version),
     "lexicon_topic": lambda p: TopicLexiconJudge(p.tie_margin, p.min_words, p.version,
                                                  off_topic_penalty=p.off_topic_penalty),
+    "lexicon_review": lambda p: ReviewLexiconJudge(p.tie_margin, p.min_words, p.version,
+                                                   off_topic_penalty=p.off_topic_penalty,
+                                                   register_penalty=p.register_penalty),
 }
 
 

@@ -76,12 +76,15 @@ class OffpolicyParams:
 
 @dataclass(frozen=True)
 class JudgeParams:
-    kind: Literal["lexicon", "lexicon_topic"] = "lexicon"
+    kind: Literal["lexicon", "lexicon_topic", "lexicon_review"] = "lexicon"
     version: str = "vader-v1"
     tie_margin: float = 0.05       # |score_a - score_b| below this is a tie
     min_words: int = 1             # responses with fewer words are judged invalid
     off_topic_penalty: float = 1.0  # lexicon_topic: subtracted when no title word is mentioned
+    register_penalty: float = 1.0   # lexicon_review: subtracted when it reads as correspondence
     pairs_per_prompt: int = 1      # i-th best vs i-th worst of K, i < this (disjoint ranks)
+    pool_pairs: Literal["ranked", "all"] = "ranked"   # the RM's pairs: DPO's, or every pair
+    pool_margin: float = 0.2       # all: score gap a pair needs (at least tie_margin)
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,9 @@ class TrainRMParams:
     audit_random_n: int = 8         # audit queue: plus a seeded random sample of judge labels
     precision: Literal["fp32", "bf16"] = "fp32"   # bf16: autocast matmuls (training and scoring)
     num_layers: int = 0             # keep the backbone's first N blocks (0 = all)
+    pooling: Literal["last", "mean"] = "last"     # the head reads the last token, or the mean
+    head_init: Literal["random", "probe"] = "random"  # probe: fitted on frozen features first
+    probe_l2: float = 0.1           # probe: L2 strength (on standardised features)
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,9 @@ class GoldParams:
     subject_query: str = "{title}"                  # text embedded for the subject
     on_topic_threshold: float = 0.3                 # cosine similarity, at least
     max_nll: float = 3.5                            # reference per-token NLL, at most
+    register_examples_file: str = "params/gold/register_examples.jsonl"  # review/correspondence
+    register_l2: float = 1e-4                       # L2 strength of the register classifier
+    review_threshold: float = 0.7                   # correspondence probability, below = review
 
 
 @dataclass(frozen=True)
@@ -205,13 +214,14 @@ class GateParams:
 class TargetParams:
     """The efficacy bar a run is measured against (printed after `alignloop run`; no stage
     reads it, so changing it reruns nothing)."""
-    min_gold_win_rate: float = 0.75
-    min_gold_win_rate_ci_low: float = 0.5
+    min_gold_win_rate: float = 0.8
+    min_gold_win_rate_ci_low: float = 0.7
     min_win_rate: float = 0.85
     max_on_topic_drop: float = 0.05
+    max_review_rate_drop: float = 0.05   # the policy's review rate (gold's check) vs the ref's
     max_length_drift: float = 0.3
     min_n: int = 200
-    max_minutes: float = 15.0
+    max_minutes: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -424,7 +434,7 @@ POSITIVE = (
     "offpolicy.n_prompts", "offpolicy.samples_per_prompt",
     "offpolicy.generation.max_new_tokens", "offpolicy.generation.batch_size",
     "rollout.n_prompts", "rollout.generation.max_new_tokens", "rollout.generation.batch_size",
-    "train_rm.epochs", "train_rm.batch_size", "train_rm.max_length",
+    "train_rm.batch_size", "train_rm.max_length",
     "update.max_length", "update.dpo.lr", "update.dpo.epochs", "update.dpo.batch_size",
     "update.ppo.lr", "update.ppo.epochs", "update.ppo.minibatch_size", "update.ppo.value_lr",
     "evaluate.n_prompts", "evaluate.bootstrap", "evaluate.generation.max_new_tokens",
@@ -440,6 +450,9 @@ def _check_sizes(p: Params, b: _Builder) -> None:
             value = getattr(value, part)
         if value <= 0:
             b.fail(path, f"must be > 0, got {value}")
+    if p.train_rm.epochs < 0 or (p.train_rm.epochs == 0 and p.train_rm.head_init != "probe"):
+        b.fail(("train_rm", "epochs"), f"must be > 0 (or 0 with head_init: probe, the probe "
+               f"alone), got {p.train_rm.epochs}")
     if p.evaluate.best_of_n.n < 0:
         b.fail(("evaluate", "best_of_n", "n"), f"must be >= 0 (0 = off), got "
                f"{p.evaluate.best_of_n.n}")

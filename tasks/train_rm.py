@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 import transformers
 
 from tasks import atomic, audit, jsonl, layout, lm, mlflow_model, model_card, stage
@@ -18,19 +19,29 @@ from tasks.jsonl import DataError
 from tasks.params import Params
 from tasks.records import PreferencePair, parse_pair
 from tasks.reward_model import (EncodedPair, RewardEnsemble, encode_pairs, ensemble_metrics,
-                                heldout_split, init_reward_model, pair_margins,
+                                fit_probe_head, heldout_split, init_reward_model, pair_margins,
                                 save_reward_model, save_stats, train_reward)
 
 
 def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_id: int,
                   it: int) -> tuple[list[transformers.PreTrainedModel], dict[str, float]]:
-    """K members, member i seeded by (seed, it, i); loss stats averaged over members."""
+    """K members, member i seeded by (seed, it, i); loss stats averaged over members. With
+    `head_init: probe` each member's head is first fitted on frozen features: on all pairs at
+    K = 1, on its own bootstrap resample of them at K > 1 (so members differ)."""
+    rp = p.train_rm
     members, runs = [], []
-    for i in range(p.train_rm.ensemble):
+    for i in range(rp.ensemble):
         model = init_reward_model(backbone, stage.generator(p.seed, 2, it, i, 0),   # head init
-                                  p.train_rm.num_layers)
-        runs.append(train_reward(model, train, p.train_rm, pad_id,
-                                 stage.generator(p.seed, 2, it, i, 1)))             # data order
+                                  rp.num_layers)
+        run: dict[str, float] = {}
+        if rp.head_init == "probe":
+            data = train if rp.ensemble == 1 else [train[j] for j in torch.randint(
+                len(train), (len(train),), generator=stage.generator(p.seed, 2, it, i, 2))]
+            run.update(fit_probe_head(model, data, rp, pad_id))
+        if rp.epochs > 0:
+            run.update(train_reward(model, train, rp, pad_id,
+                                    stage.generator(p.seed, 2, it, i, 1)))          # data order
+        runs.append(run)
         members.append(model)
     return members, {f"rm/{k}": sum(r[k] for r in runs) / len(runs) for k in runs[0]}
 
@@ -57,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     enc = lambda ps: encode_pairs(tok, ps, p.model.max_prompt_tokens, p.train_rm.max_length)  # noqa: E731
     enc_train, enc_held = enc(train), enc(held)
     members, metrics = train_members(backbone, enc_train, p, tok.pad_token_id, it)
-    ensemble = RewardEnsemble(members, p.train_rm.precision)
+    ensemble = RewardEnsemble(members, p.train_rm.precision, p.train_rm.pooling)
     rm_metrics, stats = ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id)
     metrics.update(rm_metrics)
     metrics.update(audit_metrics)
@@ -70,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     with atomic.directory(root / layout.reward_model(it)) as tmp:
         save_reward_model(members, tmp)
         tok.save_pretrained(tmp)
-        save_stats(tmp, {**stats, "precision": p.train_rm.precision})
+        save_stats(tmp, {**stats, "precision": p.train_rm.precision,
+                         "pooling": p.train_rm.pooling})
         atomic.write_json(tmp / layout.MODEL_META, {"iteration": it, "role": "reward_model",
                                                     "pairs": len(pairs), "ensemble": len(members)})
         mlflow_model.write_mlflow_model(tmp, "text-classification",

@@ -220,7 +220,8 @@ def test_judge_groups_metrics() -> None:
     groups = [(PROMPT, ["good", "bad"], {"prompt_id": "p1"}),
               (PROMPT, ["same", "same"], {"prompt_id": "p2"}),
               (PROMPT, ["good", "junk"], {"prompt_id": "p3"})]
-    pairs, m = judge_groups(judge, groups, "iter_2")
+    pairs, pool, m = judge_groups(judge, groups, "iter_2")
+    assert pool == pairs
     assert [(p.chosen, p.rejected) for p in pairs] == [("good", "bad")]
     assert m["judge/n"] == 3 and m["judge/n_pairs"] == 1 and m["judge/n_prompts_with_pair"] == 1
     assert (m["judge/n_A"], m["judge/n_tie"], m["judge/n_invalid"]) == (1, 1, 1)
@@ -233,7 +234,7 @@ def test_judge_groups_two_pairs_per_prompt() -> None:
     judge = TableJudge({"a": 1.0, "b": 0.5, "c": 0.0, "d": -1.0})
     groups = [(PROMPT, ["c", "a", "d", "b"], {"prompt_id": "p1"}),
               (PROMPT, ["a", "d"], {"prompt_id": "p2"})]
-    pairs, m = judge_groups(judge, groups, "iter_1", pairs_per_prompt=2)
+    pairs, _, m = judge_groups(judge, groups, "iter_1", pairs_per_prompt=2)
     assert [(p.chosen, p.rejected, p.meta["prompt_id"]) for p in pairs] == \
         [("a", "d", "p1"), ("b", "c", "p1"), ("a", "d", "p2")]
     assert m["judge/n"] == 3 and m["judge/n_pairs"] == 3 and m["judge/n_prompts_with_pair"] == 2
@@ -263,3 +264,42 @@ def test_topic_judge_penalises_responses_that_do_not_name_the_subject() -> None:
     assert judge_pair(judge, prompt, gush, review) == "B"
     plain = make_judge(JudgeParams(kind="lexicon"))
     assert judge_pair(plain, prompt, review, gush) == "B"      # the hack the topic check closes
+
+
+# --- the judge's own register check and the reward model's margin pairs --------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("Dear Hugging Face, I hope this message finds you well. Jaws is a gem.", True),
+    ("I'm glad you're excited about Jaws. It's a delightful film!", True),
+    ("Jaws is a masterpiece. What do you think?", True),
+    ("Thank you for asking! Jaws is wonderful.", True),
+    ("As an AI, I don't watch films, but Jaws is acclaimed.", True),
+    ("Jaws is a gripping thriller; the shark still terrifies.", False),
+    ("Jaws: rating 5/5. Why does it still work? Spielberg's restraint.", False),
+])
+def test_correspondence_cues(text: str, expected: bool) -> None:
+    from tasks.judges import correspondence
+    assert correspondence(text) is expected
+
+
+def test_review_judge_prefers_a_plain_review_over_a_happier_letter() -> None:
+    judge = make_judge(JudgeParams(kind="lexicon_review", version="t", register_penalty=1.0))
+    letter = "Dear friend, thank you! Jaws is a wonderful, brilliant, beautiful masterpiece!"
+    review = "Jaws is a good thriller with a fine score."
+    s_letter, s_review = judge.score([PROMPT] * 2, [letter, review])
+    assert s_letter is not None and s_review is not None and s_review > s_letter
+    assert judge_pair(judge, PROMPT, review, letter) == "A"
+    topic = make_judge(JudgeParams(kind="lexicon_topic", version="t"))
+    assert judge_pair(topic, PROMPT, review, letter) == "B"     # what the loop learned before
+
+
+def test_margin_pairs_join_the_pool_only() -> None:
+    """pool_pairs: all: every pair whose scores differ by the margin, higher one chosen, joins
+    the reward model's pool; DPO's pairs stay best vs worst."""
+    judge = TableJudge({"a": 1.0, "b": 0.5, "c": 0.45, "d": -1.0})
+    groups = [(PROMPT, ["c", "a", "d", "b"], {"prompt_id": "p1"})]
+    pairs, pool, m = judge_groups(judge, groups, "iter_1", pool_margin=0.2)
+    assert [(p.chosen, p.rejected) for p in pairs] == [("a", "d")]
+    assert sorted((p.chosen, p.rejected) for p in pool) == \
+        [("a", "b"), ("a", "c"), ("a", "d"), ("b", "d"), ("c", "d")]     # b vs c: gap 0.05
+    assert pool[0] == pairs[0] and m["judge/n_pool_pairs"] == 5 and m["judge/n_pairs"] == 1

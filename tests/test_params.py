@@ -97,7 +97,7 @@ def test_float_for_int_is_a_wrong_type(tmp_path: Path) -> None:
 def test_bad_literal(tmp_path: Path) -> None:
     path = write(tmp_path, BASE + "judge:\n  kind: gpt\n")
     msg = load_error(path)
-    assert msg.startswith(f"{path}:12: judge.kind: expected one of ['lexicon', 'lexicon_topic']"), msg
+    assert msg.startswith(f"{path}:12: judge.kind: expected one of ['lexicon', 'lexicon_topic', 'lexicon_review']"), msg
 
 
 def test_missing_iteration_item_key(tmp_path: Path) -> None:
@@ -185,12 +185,16 @@ def test_non_finite_float_is_rejected(tmp_path):
     assert load_error(path).startswith(f"{path}:4: train_rm.lr: expected a finite number")
 
 
-def test_ppo_profile_differs_from_default_only_in_update() -> None:
+def test_ppo_profile_differs_from_default_only_in_update_and_its_bar() -> None:
+    """default-ppo: the same loop with the PPO update; its gold bar is its own (0.70, not the
+    DPO default's 0.80), never a copy that drifted."""
     base = to_dict(load_params(PARAMS_DIR / "default.yaml"))
     ppo = to_dict(load_params(PARAMS_DIR / "default-ppo.yaml"))
     assert ppo["update"]["algo"] == "ppo" and base["update"]["algo"] == "dpo"
-    assert {k: v for k, v in ppo.items() if k != "update"} == \
-        {k: v for k, v in base.items() if k != "update"}
+    assert {k: v for k, v in ppo.items() if k not in ("update", "targets")} == \
+        {k: v for k, v in base.items() if k not in ("update", "targets")}
+    assert {k for k in ppo["targets"] if ppo["targets"][k] != base["targets"][k]} == \
+        {"min_gold_win_rate", "min_gold_win_rate_ci_low"}
 
 
 # --- sizes, the import path, the off-policy mix ----------------------------------------------
@@ -198,7 +202,7 @@ def test_ppo_profile_differs_from_default_only_in_update() -> None:
 @pytest.mark.parametrize("old, new, expected", [
     ("  epochs: 2\n", "  epochs: 2\n  batch_size: -16\n",
      "8: train_rm.batch_size: must be > 0, got -16"),
-    ("  epochs: 2\n", "  epochs: 0\n", "7: train_rm.epochs: must be > 0, got 0"),
+    ("  epochs: 2\n", "  epochs: 0\n", "7: train_rm.epochs: must be > 0 (or 0 with head_init: probe, the probe alone), got 0"),
     ("    beta: 0.1\n", "    beta: 0.1\n    batch_size: 0\n",
      "11: update.dpo.batch_size: must be > 0, got 0"),
     ("    beta: 0.1\n", "    beta: 0.1\n    lr: -1.0e-3\n",

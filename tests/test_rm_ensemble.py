@@ -228,3 +228,76 @@ def test_truncated_backbone_keeps_the_first_blocks(tmp_path: Path) -> None:
         assert k == k2 and torch.equal(v, v2)
     r = member_rewards(cut, [(1, 2, 3)], [(4, 5)], pad_id=0)
     assert r.shape == (1, 1) and torch.isfinite(r).all()
+
+
+def test_shared_responses_are_scored_once_with_the_same_rewards(tmp_path: Path) -> None:
+    """member_pair_rewards scores each distinct (prompt, response) once; the rewards equal
+    scoring every pair's two sides separately, and gradients reach the model."""
+    from tasks.params import TinyModelParams
+    from tasks.reward_model import EncodedPair, init_reward_model, member_pair_rewards
+    from tasks.tiny_model import save_tiny
+    save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
+    model = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
+    x, y = (1, 2, 3), (7, 8)
+    a, b, c = (4, 5), (6,), (9, 10, 11)
+    batch = [EncodedPair(x, a, b), EncodedPair(x, a, c), EncodedPair(x, c, b), EncodedPair(y, a, b)]
+    r_c, r_r = member_pair_rewards(model, batch, pad_id=0)
+    with torch.no_grad():
+        single = {(p, r): float(member_rewards(model, [p], [r], 0)) for p, r in
+                  [(x, a), (x, b), (x, c), (y, a), (y, b)]}
+    assert r_c[0].tolist() == pytest.approx([single[(e.prompt_ids, e.chosen_ids)]
+                                             for e in batch], abs=1e-5)
+    assert r_r[0].tolist() == pytest.approx([single[(e.prompt_ids, e.rejected_ids)]
+                                             for e in batch], abs=1e-5)
+    (r_c - r_r).sum().backward()
+    assert model.score.weight.grad is not None and model.score.weight.grad.abs().sum() > 0
+
+
+def test_prompt_batches_keep_a_prompts_pairs_together() -> None:
+    from tasks.reward_model import EncodedPair, prompt_batches
+    data = [EncodedPair((p,), (i,), (i + 100,)) for p in range(5) for i in range(3)]
+    batches = prompt_batches(data, 6, torch.Generator().manual_seed(1))
+    flat = [e for bt in batches for e in bt]
+    assert sorted(flat, key=lambda e: (e.prompt_ids, e.chosen_ids)) == data   # each pair once
+    assert [len(bt) for bt in batches] == [6, 6, 3]
+    runs = [e.prompt_ids for e in flat]
+    assert sum(1 for i in range(1, len(runs)) if runs[i] != runs[i - 1]) == 4  # contiguous
+    again = prompt_batches(data, 6, torch.Generator().manual_seed(1))
+    assert again == batches and prompt_batches(data, 6, torch.Generator().manual_seed(2)) != batches
+
+
+def test_mean_pooling_and_the_probe_head_learn_a_word_preference(tmp_path: Path) -> None:
+    """pooling: mean reads the average of the response's states; head_init: probe fits the head
+    on frozen features so that held-out pairs with the same preference (token 7 good, token 9
+    bad, anywhere in the response) are ranked right, with no gradient step on the backbone."""
+    from tasks.params import TinyModelParams, TrainRMParams
+    from tasks.reward_model import (EncodedPair, fit_probe_head, init_reward_model,
+                                    pair_margins)
+    from tasks.tiny_model import save_tiny
+    save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
+    model = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
+    before = {k: v.clone() for k, v in model.model.state_dict().items()}
+    g = torch.Generator().manual_seed(3)
+
+    def pairs(n: int) -> list[EncodedPair]:
+        out = []
+        for _ in range(n):
+            prompt = tuple(torch.randint(20, 60, (4,), generator=g).tolist())
+            body = torch.randint(20, 60, (6,), generator=g).tolist()
+            at = int(torch.randint(0, 6, (1,), generator=g))
+            good, bad = list(body), list(body)
+            good[at], bad[at] = 7, 9
+            out.append(EncodedPair(prompt, tuple(good), tuple(bad)))
+        return out
+    p = TrainRMParams(pooling="mean", head_init="probe", epochs=0, probe_l2=0.1)
+    m = fit_probe_head(model, pairs(64), p, pad_id=0)
+    assert m["probe_train_accuracy"] > 0.9
+    ens = RewardEnsemble([model], "fp32", "mean")
+    assert float((pair_margins(ens, pairs(64), 0) > 0).float().mean()) > 0.85
+    assert all(torch.equal(v, before[k]) for k, v in model.model.state_dict().items())
+    # the same response scored alone or packed with others: pooling sees only its own tokens
+    x, y1, y2 = (21, 22), (30, 31, 32), (40,)
+    with torch.no_grad():
+        both = member_rewards(ens, [x, x], [y1, y2], 0)[0].tolist()
+        alone = [float(member_rewards(ens, [x], [y], 0)) for y in (y1, y2)]
+    assert both == pytest.approx(alone, abs=1e-5)

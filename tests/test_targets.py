@@ -6,18 +6,19 @@ from tasks.params import TargetParams
 
 GOOD = {"eval/gold_win_rate": 0.8, "eval/gold_win_rate_ci_low": 0.74, "eval/win_rate": 0.9,
         "eval/on_topic_rate": 0.6, "eval/ref_on_topic_rate": 0.62, "eval/length_ratio": 1.2,
-        "eval/n": 200.0}
+        "eval/review_rate": 0.86, "eval/ref_review_rate": 0.9, "eval/n": 200.0}
 
 
 def test_all_met_then_each_missed() -> None:
     p = TargetParams()
-    assert all(c.met for c in check(GOOD, p, 14.0))
-    for key, bad in (("eval/gold_win_rate", 0.7), ("eval/gold_win_rate_ci_low", 0.5),
+    assert all(c.met for c in check(GOOD, p, 9.0))
+    for key, bad in (("eval/gold_win_rate", 0.78), ("eval/gold_win_rate_ci_low", 0.7),
                      ("eval/win_rate", 0.8), ("eval/on_topic_rate", 0.5),
-                     ("eval/length_ratio", 0.6), ("eval/n", 100.0)):
-        missed = [c.name for c in check({**GOOD, key: bad}, p, 14.0) if not c.met]
+                     ("eval/review_rate", 0.84), ("eval/length_ratio", 0.6),
+                     ("eval/n", 100.0)):
+        missed = [c.name for c in check({**GOOD, key: bad}, p, 9.0) if not c.met]
         assert len(missed) == 1, (key, missed)
-    assert [c.name for c in check(GOOD, p, 16.0) if not c.met] == ["iteration minutes"]
+    assert [c.name for c in check(GOOD, p, 10.5) if not c.met] == ["iteration minutes"]
     assert len(check(GOOD, p, None)) == len(check(GOOD, p, 1.0)) - 1   # cached: untimed
 
 
