@@ -114,7 +114,8 @@ REPORT_COLUMNS = (("judge", "eval/win_rate"), ("lo", "eval/win_rate_ci_low"),
                   ("gold", "eval/gold_win_rate"), ("lo", "eval/gold_win_rate_ci_low"),
                   ("rm", "eval/rm_win_rate"), ("bon-gold", "eval/bon_gold_win_rate"),
                   ("kl", "eval/kl"), ("topic", "eval/on_topic_rate"),
-                  ("ref-topic", "eval/ref_on_topic_rate"), ("len", "eval/length_ratio"),
+                  ("ref-topic", "eval/ref_on_topic_rate"), ("review", "eval/review_rate"),
+                  ("ref-rev", "eval/ref_review_rate"), ("len", "eval/length_ratio"),
                   ("nll", "eval/fluency_nll"), ("rm-acc", "rm/accuracy"),
                   ("hack", "eval/hacking_flag"))
 

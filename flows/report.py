@@ -165,6 +165,7 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str]], ...] = (
     ("KL k1 (nats)", _kl_cell),
     ("RM held-out acc.", lambda r: _num(value(r, "rm/accuracy"))),
     ("on-topic policy / ref", _pair("eval/on_topic_rate", "eval/ref_on_topic_rate", 2)),
+    ("reviews policy / ref", _pair("eval/review_rate", "eval/ref_review_rate", 2)),
     ("length policy / ref", _pair("eval/length", "eval/ref_length", 1)),
     ("fluency NLL policy / ref", _pair("eval/fluency_nll", "eval/ref_fluency_nll", 2)),
     ("best-of-n judge / gold WR (KL)", _best_of_n),
@@ -174,7 +175,8 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str]], ...] = (
 
 
 # the page shows the plots (flows/report_plots.py) in this order
-PLOT_ORDER = ("win_rates", "reward_vs_kl", "rm_accuracy", "on_topic", "length", "fluency")
+PLOT_ORDER = ("win_rates", "reward_vs_kl", "rm_accuracy", "on_topic", "reviews", "length",
+              "fluency")
 
 
 # --- samples -----------------------------------------------------------------------------------

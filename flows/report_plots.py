@@ -15,7 +15,8 @@ Series = tuple[str, str]          # (metric key, legend label)
 # Honest axes: rates on [0, 1]; lengths and NLLs from 0, so run-to-run noise (fluency
 # 5.965-5.985 nats) is drawn as the flat line it is, not zoomed into a trend.
 RATE, FROM_ZERO = (0.0, 1.0), (0.0, None)
-LIMITS = {"win_rates": RATE, "rm_accuracy": RATE, "on_topic": RATE, "length": FROM_ZERO,
+LIMITS = {"win_rates": RATE, "rm_accuracy": RATE, "on_topic": RATE, "reviews": RATE,
+          "length": FROM_ZERO,
           "fluency": FROM_ZERO}
 KL_LABEL = "KL(policy || reference), nats/response (k1: mean log-ratio of policy samples)"
 PLOTS: tuple[tuple[str, str, str, tuple[Series, ...]], ...] = (
@@ -25,6 +26,8 @@ PLOTS: tuple[tuple[str, str, str, tuple[Series, ...]], ...] = (
      (("rm/accuracy", "held-out"), ("rm/train_accuracy", "train"))),
     ("on_topic", "On-topic rate", "rate",
      (("eval/on_topic_rate", "policy"), ("eval/ref_on_topic_rate", "reference"))),
+    ("reviews", "Review rate (gold's register check: not a letter, reply or request)", "rate",
+     (("eval/review_rate", "policy"), ("eval/ref_review_rate", "reference"))),
     ("length", "Response length", "tokens",
      (("eval/length", "policy"), ("eval/ref_length", "reference"))),
     ("fluency", "Fluency (reference model's NLL; lower is more fluent)", "nats/token",

@@ -34,7 +34,8 @@ EXPERIMENT = "alignloop"
 TAG = "alignloop."
 HEADLINE = ("eval/win_rate", "eval/win_rate_ci_low", "eval/gold_win_rate",
             "eval/gold_win_rate_ci_low", "eval/rm_win_rate", "eval/bon_gold_win_rate", "eval/kl",
-            "eval/length_ratio", "eval/on_topic_rate", "eval/fluency_nll", "rm/accuracy")
+            "eval/length_ratio", "eval/on_topic_rate", "eval/review_rate", "eval/fluency_nll",
+            "rm/accuracy")
 
 
 def entry_io(entry: dict[str, Any], kind: str) -> dict[str, str]:

@@ -31,7 +31,8 @@ def _evaluate(judge: float, gold: float | None, **extra: float) -> dict[str, flo
         m.update({"eval/gold_win_rate": gold, "eval/gold_win_rate_ci_low": gold - 0.06,
                   "eval/gold_win_rate_ci_high": gold + 0.06, "eval/on_topic_rate": 0.9,
                   "eval/ref_on_topic_rate": 0.85, "eval/fluency_nll": 2.71,
-                  "eval/ref_fluency_nll": 2.64})
+                  "eval/ref_fluency_nll": 2.64, "eval/review_rate": 0.88,
+                  "eval/ref_review_rate": 0.9})
     m.update(extra)
     return m
 
@@ -120,7 +121,8 @@ def test_plots_are_png_files_and_inlined(workspace, tmp_path):
     out = tmp_path / "out"
     page = report.build_report(workspace, out).read_text()
     names = {p.stem for p in out.glob("*.png")}
-    assert names == {"win_rates", "reward_vs_kl", "rm_accuracy", "on_topic", "length", "fluency"}
+    assert names == {"win_rates", "reward_vs_kl", "rm_accuracy", "on_topic", "reviews", "length",
+                     "fluency"}
     inlined = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
     assert len(inlined) == len(names)
     for name in names:
@@ -171,7 +173,7 @@ def test_old_workspace_without_gold_metrics_still_reports(tmp_path):
     assert {p.stem for p in out.glob("*.png")} == {"win_rates", "reward_vs_kl", "rm_accuracy",
                                                    "length"}
     assert "No iteration is suspect" in page
-    assert "No data for: on_topic, fluency." in page
+    assert "No data for: on_topic, reviews, fluency." in page
 
 
 def test_workspace_without_evaluations(tmp_path):
