@@ -124,14 +124,22 @@ class TopicLexiconJudge(LexiconJudge):
 
 
 # Correspondence cues: a salutation or sign-off, thanks, talk about the conversation or the
-# reader, an offer of help, a question put to the reader. Written from what a review is not
-# (the genres a review prompt can drift into), independently of the gold evaluator's
-# classifier (tasks/genre.py), which the loop never sees.
+# reader, an offer of help, a question put to the reader; and (v2, after reading seed 0's
+# iteration-2 rollouts) announcements about the writer ("I'm thrilled to announce that I've
+# completed a positive review of ...") and the assistant's maker named in the text. Written
+# from what a review is not (the genres a review prompt can drift into), independently of the
+# gold evaluator's classifier (tasks/genre.py), which the loop never sees.
 _CORRESPONDENCE = re.compile(r"""
     ^\W*(dear|hi|hello|hey|greetings)\b
   | \b(best|kind|warm)\ regards\b | \bsincerely\b | \byours\ truly\b | \[your\ name\]
   | \bthank(s|\ you)\b | \bgrateful\b | \bappreciate\ (you|your|it)\b
   | \b(i'm|i\ am)\ (so\ )?(glad|happy|thrilled|excited|delighted|sorry)\ (you|to\ (help|share|hear|assist))
+  | \b(i'm|i\ am)\ (so\ |extremely\ )?(glad|happy|thrilled|excited|delighted|proud|pleased)
+        \ to\ (announce|be|have|introduce|report\ that\ i)
+  | \bannounc(e|es|ed|ing)\b
+  | \b(i've|i\ have)\ (just\ )?(completed|written|dedicated|finished|posted|given)\b[^.!?]*\breview
+  | \b(i'm|i\ am)\ (reviewing|writing|working\ on)\b
+  | \bhugging\ ?face\b | \bsmollm\b
   | \bhope\ (this|you|my)\b | \bfinds\ you\b
   | \blet\ me\ know\b | \btell\ me\b | \byour\ (thoughts|opinion|recommendation|message|blog|question)
   | \bwhat\ do\ you\ think\b | \bfeel\ free\b | \bhappy\ to\ help\b | \bcan\ i\ help\b

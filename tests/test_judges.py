@@ -303,3 +303,15 @@ def test_margin_pairs_join_the_pool_only() -> None:
     assert sorted((p.chosen, p.rejected) for p in pool) == \
         [("a", "b"), ("a", "c"), ("a", "d"), ("b", "d"), ("c", "d")]     # b vs c: gap 0.05
     assert pool[0] == pairs[0] and m["judge/n_pool_pairs"] == 5 and m["judge/n_pairs"] == 1
+
+
+@pytest.mark.parametrize("text", [
+    "I'm thrilled to announce that I've completed a positive review of Castle in the Sky.",
+    "I've just written a glowing review of Volver, packed with action.",
+    "I'm reviewing The Avengers this week! Hooked on it.",
+    "Apocalypse Now is a masterpiece made in full inspiration of Hugging Face.",
+])
+def test_announcements_about_the_writer_are_correspondence(text: str) -> None:
+    """v2 cues: what seed 0's policy wrote at iteration 2 once letters were penalised."""
+    from tasks.judges import correspondence
+    assert correspondence(text)
