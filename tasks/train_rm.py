@@ -34,7 +34,7 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
         model = init_reward_model(backbone, stage.generator(p.seed, 2, it, i, 0),   # head init
                                   rp.num_layers)
         run: dict[str, float] = {}
-        if rp.head_init == "probe":
+        if rp.head_init == "probe" and train:
             data = train if rp.ensemble == 1 else [train[j] for j in torch.randint(
                 len(train), (len(train),), generator=stage.generator(p.seed, 2, it, i, 2))]
             run.update(fit_probe_head(model, data, rp, pad_id))
