@@ -11,10 +11,12 @@ from tasks.verdict_cache import VerdictCache
 def make_pairwise_judge(p: JudgeParams, root: Path) -> PairwiseLLMJudge:
     template = load_template(root, p.template)
     if p.kind == "http":
-        from tasks.judge_http import HttpBackend, endpoint_from_env
-        backend = HttpBackend(endpoint_from_env(), p.model, p.max_new_tokens, p.max_concurrency,
+        from tasks.judge_http import HttpBackend, endpoint_from_env, served_model
+        endpoint = endpoint_from_env()
+        model = p.model or served_model(endpoint, p.timeout_s)
+        backend = HttpBackend(endpoint, model, p.max_new_tokens, p.max_concurrency,
                               p.timeout_s, p.max_retries, p.backoff_s)
-        model, batch = p.model, max(16, 4 * p.max_concurrency)
+        batch = max(16, 4 * p.max_concurrency)
     elif p.kind == "llm":
         from tasks import lm
         from tasks.judge_llm import LocalLMBackend

@@ -37,6 +37,25 @@ class Endpoint:
     def chat_url(self) -> str:
         return self.base_url.rstrip("/") + "/chat/completions"
 
+    def headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+
+def served_model(endpoint: Endpoint, timeout_s: float = 30.0) -> str:
+    """The first model id the server lists at /v1/models (a server pinned to one model, as
+    `transformers serve DIR` or llama.cpp's, lists just that one)."""
+    url = endpoint.base_url.rstrip("/") + "/models"
+    try:
+        req = urllib.request.Request(url, headers=endpoint.headers())
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return str(json.loads(r.read())["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise InputError(f"{url}: cannot read the served model's name ({type(e).__name__}: "
+                         f"{e}); is the judge server up? Or set judge.model") from None
+
 
 def endpoint_from_env(env: Mapping[str, str] | None = None) -> Endpoint:
     env = os.environ if env is None else env
@@ -69,11 +88,8 @@ class HttpBackend:
     def _request(self, text: str) -> urllib.request.Request:
         body = {"model": self.model, "messages": [{"role": "user", "content": text}],
                 "temperature": 0.0, "max_tokens": self.max_tokens, "stream": False}
-        headers = {"Content-Type": "application/json"}
-        if self.endpoint.api_key:
-            headers["Authorization"] = f"Bearer {self.endpoint.api_key}"
         return urllib.request.Request(self.endpoint.chat_url, json.dumps(body).encode(),
-                                      headers, method="POST")
+                                      self.endpoint.headers(), method="POST")
 
     def ask(self, text: str, stats: JudgeStats) -> Reply:
         """One comparison: retried on 429/5xx/timeouts, `invalid` (unanswered) after that."""

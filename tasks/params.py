@@ -86,7 +86,8 @@ class JudgeParams:
     pool_pairs: Literal["ranked", "all"] = "ranked"   # the RM's pairs: DPO's, or every pair
     pool_margin: float = 0.2       # all: score gap a pair needs (at least tie_margin)
     template: str = "params/judges/pairwise_review.txt"  # llm/http: the versioned prompt
-    model: str = ""                # llm: a local HF model directory; http: the served model name
+    model: str = ""                # llm: a local HF model directory; http: the model name ("" =
+                                   #   the one the server lists first in /v1/models)
     decoding: Literal["greedy", "logprob"] = "greedy"   # llm: generate, or argmax of verdict log-probs
     max_new_tokens: int = 4        # llm greedy / http: reply length cap (a verdict is one word)
     comparisons_per_prompt: int = 4  # llm/http: seeded pairs of the K samples compared per prompt
@@ -488,9 +489,8 @@ def _check_judge(p: Params, b: _Builder) -> None:
     j = p.judge
     if j.max_retries < 0 or j.backoff_s < 0:
         b.fail(("judge", "max_retries" if j.max_retries < 0 else "backoff_s"), "must be >= 0")
-    if j.kind in ("llm", "http") and not j.model:
-        b.fail(("judge", "model"), f"judge.kind {j.kind} needs judge.model (llm: a local model "
-               "directory; http: the model name the server serves)")
+    if j.kind == "llm" and not j.model:
+        b.fail(("judge", "model"), "judge.kind llm needs judge.model (a local model directory)")
     if j.kind == "http" and j.decoding != "greedy":
         b.fail(("judge", "decoding"), "the http judge decodes greedily (temperature 0); "
                "logprob is for judge.kind: llm")

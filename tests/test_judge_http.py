@@ -172,3 +172,29 @@ def test_endpoint_from_env_prefers_our_names() -> None:
     assert endpoint_from_env(env) == Endpoint("http://a/v1", "k1")
     assert endpoint_from_env({"OPENAI_BASE_URL": "http://o/v1"}) == Endpoint("http://o/v1")
     assert Endpoint("http://a/v1/").chat_url == "http://a/v1/chat/completions"
+
+
+def test_served_model_names_the_judge_when_judge_model_is_empty(server) -> None:
+    from tasks.errors import InputError
+    from tasks.judge_http import served_model
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:      # noqa: N802
+            data = json.dumps({"object": "list", "data": [{"id": "/models/judge"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert served_model(Endpoint(f"http://127.0.0.1:{srv.server_address[1]}/v1")) == \
+            "/models/judge"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    with pytest.raises(InputError, match="cannot read the served model's name"):
+        served_model(Endpoint("http://127.0.0.1:9/v1"), timeout_s=1)

@@ -208,8 +208,8 @@ def test_pairwise_params_are_checked(tmp_path: Path) -> None:
     from tasks.params import ParamsError, load_params
     text = (ROOT / "params" / "tiny.yaml").read_text()
     bad = tmp_path / "p.yaml"
-    bad.write_text(text.replace("  kind: lexicon ", "  kind: http    "))
-    with pytest.raises(ParamsError, match=r"judge.model: judge.kind http needs judge.model"):
+    bad.write_text(text.replace("  kind: lexicon ", "  kind: llm     "))
+    with pytest.raises(ParamsError, match=r"judge.model: judge.kind llm needs judge.model"):
         load_params(bad)
     bad.write_text(text.replace("  kind: lexicon ", "  kind: http    ").replace(
         "  version: vader-v1", "  model: m\n  decoding: logprob\n  version: vader-v1"))
