@@ -12,7 +12,9 @@ cached: the next run asks again. A pairwise judge has no pointwise score.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +28,7 @@ from tasks.judges import Verdict
 from tasks.records import Prompt
 from tasks.verdict_cache import VerdictCache, cache_key
 
+CRASH_ENV = "ALIGNLOOP_JUDGE_CRASH_AFTER"   # tests only: SIGKILL after N cached batches
 SLOTS = ("prompt", "first", "second")
 _SLOT = re.compile(r"\{(prompt|first|second)\}")
 _PREFIX = re.compile(r"^(verdict|answer|winner|better)\s*[:\-]\s*", re.IGNORECASE)
@@ -133,6 +136,7 @@ class PairwiseLLMJudge:
         self.version = f"{model}|template={template.md5}|{decoding}"   # the judge's identity
         self.batch_size = batch_size
         self.stats = JudgeStats()
+        self._batches = 0
 
     def compare(self, prompt: Prompt, first: str, second: str) -> Verdict:
         return self.compare_many([(prompt, first, second)])[0]
@@ -162,6 +166,9 @@ class PairwiseLLMJudge:
             if self.cache is not None:
                 self.cache.put_many([(keys[i], r.verdict, r.text)
                                      for i, r in zip(chunk, replies) if r.answered])
+            self._batches += 1
+            if os.environ.get(CRASH_ENV) == str(self._batches):   # as a kill -9 would
+                os.kill(os.getpid(), signal.SIGKILL)
         by_key = {keys[i]: out[i] for i in todo}          # duplicates inside one call
         self.stats.add(seconds=time.monotonic() - start)
         return [v if v is not None else by_key[keys[i]] for i, v in enumerate(out)]  # type: ignore[misc]

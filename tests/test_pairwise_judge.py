@@ -223,3 +223,47 @@ def test_http_judge_needs_an_endpoint(tmp_path: Path, monkeypatch: pytest.Monkey
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(InputError, match="export ALIGNLOOP_JUDGE_URL"):
         make_judge(JudgeParams(kind="http", model="m"), ROOT)
+
+
+# --- the declaration: templates synced, identity in the registry tags ---------------------------
+
+def test_templates_are_synced_into_a_workspace(tmp_path: Path) -> None:
+    from flows.workspace import sync_declaration
+    changed = sync_declaration(tmp_path, ROOT / "params" / "tiny-http-judge.yaml")
+    assert "params/judges/pairwise_review.txt" in changed
+    assert (tmp_path / "params/judges/pairwise_review.txt").read_bytes() == \
+        (ROOT / "params/judges/pairwise_review.txt").read_bytes()
+
+
+def test_registry_tags_name_the_template_md5_for_pairwise_judges_only() -> None:
+    import hashlib
+
+    from flows.pipeline import judge_tags
+    from tasks.params import load_params
+    assert judge_tags(load_params(ROOT / "params" / "tiny.yaml").judge, ROOT) == \
+        {"judge": "lexicon:vader-v1"}
+    md5 = hashlib.md5((ROOT / "params/judges/pairwise_review.txt").read_bytes()).hexdigest()
+    assert judge_tags(load_params(ROOT / "params" / "tiny-http-judge.yaml").judge, ROOT) == \
+        {"judge": "http:served", "judge_template": "params/judges/pairwise_review.txt",
+         "judge_template_md5": md5, "judge_decoding": "greedy"}
+
+
+def test_crash_hook_kills_after_n_cached_batches(tmp_path: Path) -> None:
+    """The e2e test's kill -9 midway: a child process judging 3 batches dies after the 2nd,
+    with exactly those two batches in the cache."""
+    import subprocess
+    import sys
+    code = f"""
+import sys; sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'tests')!r})
+from pathlib import Path
+from test_pairwise_judge import PROMPT, judge_with, prefers
+from tasks.judges import judge_pairs
+from tasks.verdict_cache import VerdictCache
+cache = VerdictCache(Path({str(tmp_path / 'c.sqlite')!r}), "id")
+judge_pairs(judge_with(prefers("good"), cache, batch=4), [(PROMPT, f"good {{i}}", f"bad {{i}}") for i in range(6)])
+"""
+    from tasks.pairwise import CRASH_ENV
+    proc = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ,
+                                                                CRASH_ENV: "2"})
+    assert proc.returncode == -9
+    assert len(VerdictCache(tmp_path / "c.sqlite", "id")) == 8
