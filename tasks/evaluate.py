@@ -107,8 +107,10 @@ def compare_pairwise(judge: PairwiseJudge, pol: Sequence[Rollout], ref: Sequence
         "eval/tie_rate": wr["rate_tie"], "eval/invalid_rate": wr["rate_invalid"],
         "eval/judge_position_bias_rate": flips / both if both else 0.0,
     }
-    metrics.update(getattr(judge, "stats").metrics("eval/judge_") if hasattr(judge, "stats")
-                   else {})
+    stats = getattr(judge, "stats", None)
+    if stats is not None:
+        stats.check_answered(f"{judge.kind} judge (evaluate)")
+        metrics.update(stats.metrics("eval/judge_"))
     return metrics, verdicts
 
 

@@ -141,6 +141,10 @@ def pairwise_groups(judge: PairwiseJudge, groups: Sequence[Group], source: str,
             for i, j in seeded_pairs(str(g[2].get("prompt_id", n)), g[1],
                                      jp.comparisons_per_prompt)]
     results = judge_pairs(judge, [(g[0], g[1][i], g[1][j]) for g, i, j in plan])
+    stats = getattr(judge, "stats", None)
+    if stats is not None:
+        stats.check_answered(f"{judge.kind} judge ({source})")
+        print(f"{judge.kind} judge ({source}): {stats.summary()}")
     pairs, pool, clear = [], [], []
     for key, rows in groupby(zip(plan, results), key=lambda r: id(r[0][0])):
         used: set[int] = set()
@@ -174,7 +178,7 @@ def pairwise_groups(judge: PairwiseJudge, groups: Sequence[Group], source: str,
         "judge/position_bias_rate": flips / both if both else 0.0,
         "judge/n_position_flips": float(flips),
     })
-    metrics.update(getattr(judge, "stats").metrics("judge/") if hasattr(judge, "stats") else {})
+    metrics.update(stats.metrics("judge/") if stats is not None else {})
     metrics.update(lexicon_agreement(jp, clear, "judge/"))
     return pairs, pool, metrics
 

@@ -112,11 +112,27 @@ class JudgeStats:
     completion_tokens: int = 0
     seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _last_error: str = field(default="", repr=False, compare=False)
 
     def add(self, **counts: float) -> None:
         with self._lock:
             for k, v in counts.items():
                 setattr(self, k, getattr(self, k) + v)
+
+    def check_answered(self, where: str) -> None:
+        """Refuse a run in which the judge answered none of the comparisons it was asked
+        (server down, wrong URL or key): that is no verdict on the responses but a broken
+        endpoint, and an iteration trained on nothing. Verdicts already cached are kept."""
+        if self.cache_misses and self.failed == self.cache_misses:
+            raise JudgeUnavailable(f"{where}: the judge answered none of {self.cache_misses} "
+                                   f"comparisons ({self.requests} requests, {self.timeouts} "
+                                   f"timed out; last: {self._last_error or 'no reply'})")
+
+    def summary(self) -> str:
+        return (f"{self.comparisons} comparisons, {self.cache_hits} from the cache, "
+                f"{self.requests} requests ({self.retries} retries, {self.failed} unanswered, "
+                f"{self.unparsed} unparsable), {self.prompt_tokens + self.completion_tokens} "
+                f"tokens, {self.seconds:.1f} s")
 
     def metrics(self, prefix: str) -> dict[str, float]:
         out = {f"{prefix}{f.name}": float(getattr(self, f.name))
@@ -163,6 +179,9 @@ class PairwiseLLMJudge:
                 out[i] = r.verdict
             self.stats.add(unparsed=sum(r.answered and r.verdict == "invalid" for r in replies),
                            failed=sum(not r.answered for r in replies))
+            errors = [r.text for r in replies if not r.answered]
+            if errors:
+                self.stats._last_error = errors[-1]
             if self.cache is not None:
                 self.cache.put_many([(keys[i], r.verdict, r.text)
                                      for i, r in zip(chunk, replies) if r.answered])
@@ -172,6 +191,10 @@ class PairwiseLLMJudge:
         by_key = {keys[i]: out[i] for i in todo}          # duplicates inside one call
         self.stats.add(seconds=time.monotonic() - start)
         return [v if v is not None else by_key[keys[i]] for i, v in enumerate(out)]  # type: ignore[misc]
+
+
+class JudgeUnavailable(InputError):
+    """The judge's endpoint answered nothing: one line, exit 2, nothing written."""
 
 
 def cache_path(root: Path, identity: str) -> Path:

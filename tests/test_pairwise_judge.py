@@ -267,3 +267,17 @@ judge_pairs(judge_with(prefers("good"), cache, batch=4), [(PROMPT, f"good {{i}}"
                                                                 CRASH_ENV: "2"})
     assert proc.returncode == -9
     assert len(VerdictCache(tmp_path / "c.sqlite", "id")) == 8
+
+
+def test_a_judge_that_answers_nothing_fails_the_stage_in_one_line() -> None:
+    from tasks.pairwise import JudgeUnavailable
+    judge = judge_with(lambda t: Reply("invalid", "HTTP 401", answered=False))
+    groups = [(PROMPT, ["a", "b", "c"], {"prompt_id": "p"})]
+    with pytest.raises(JudgeUnavailable, match=r"scripted judge \(iter_1\): the judge answered "
+                       r"none of 6 comparisons \(6 requests, 0 timed out; last: HTTP 401\)"):
+        pairwise_groups(judge, groups, "iter_1", JudgeParams(kind="http", model="m",
+                                                             comparisons_per_prompt=3))
+    partly = judge_with(lambda t: Reply("invalid", "x", answered="[A] a" in t))
+    pairwise_groups(partly, groups, "iter_1", JudgeParams(kind="http", model="m",
+                                                          comparisons_per_prompt=3))
+    assert 0 < partly.stats.failed < partly.stats.cache_misses      # some answered: counted
