@@ -213,6 +213,28 @@ def cmd_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_judge_server(args: argparse.Namespace) -> int:
+    """A local OpenAI-compatible judge (transformers serve) for `judge.kind: http`."""
+    from flows import judge_server
+    ws = wsmod.Workspace(Path(args.workspace).resolve())
+    if args.action == "start":
+        try:
+            info = judge_server.start(ws, Path(args.model) if args.model else None,
+                                      port=args.port)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"judge server up: {info['url']} serving {info['model']} (pid {info['pid']}, log "
+              f"{info['log']}); export ALIGNLOOP_JUDGE_URL={info['url']}")
+    elif args.action == "stop":
+        print("judge server stopped" if judge_server.stop(ws) else "no judge server running")
+    else:
+        info = judge_server.status(ws)
+        print(json.dumps(info) if info else "no judge server running")
+        return 0 if info and info["healthy"] else 1
+    return 0
+
+
 def _api_url(ws: wsmod.Workspace) -> str:
     """The team's PREFECT_API_URL if set, else this workspace's own standalone server."""
     from flows import server
@@ -273,6 +295,7 @@ EXAMPLES = """examples:
   alignloop import hh.jsonl --workspace /tmp/w # your own preference pairs (TRL formats)
   alignloop lineage models:/alignloop-policy@champion --verify
   alignloop server start && alignloop schedule --cron "0 3 * * 1"
+  alignloop judge-server start --model DIR     # an OpenAI-compatible judge on loopback
 """
 
 
@@ -353,6 +376,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=4200)
     srv.add_argument("--workspace", default=DEFAULT_WORKSPACE)
     srv.set_defaults(func=cmd_server)
+    js = sub.add_parser("judge-server", help="a local OpenAI-compatible judge server "
+                                             "(transformers serve, loopback) for judge.kind: http")
+    js.add_argument("action", choices=["start", "stop", "status"])
+    js.add_argument("--model", help="a saved transformers model directory (default: the "
+                                    "workspace's initial policy, models/iter_0/policy)")
+    js.add_argument("--port", type=int, default=8000)
+    js.add_argument("--workspace", default=DEFAULT_WORKSPACE,
+                    help="where its pid file and log go (<workspace>/.alignloop/)")
+    js.set_defaults(func=cmd_judge_server)
     sch = sub.add_parser("schedule", help="serve recurring iterations on a cron schedule")
     when = sch.add_mutually_exclusive_group(required=True)
     when.add_argument("--cron", help='e.g. "0 3 * * 1" (Mondays 03:00)')

@@ -22,7 +22,9 @@ from prefect.runtime import flow_run
 from flows import crashpoints, dag, registry, signals, targets, tracking
 from flows.workspace import Workspace, git, git_bytes
 from tasks import layout
-from tasks.params import load_params
+from tasks.judges import PAIRWISE_KINDS
+from tasks.pairwise import load_template
+from tasks.params import JudgeParams, load_params
 
 Summary = dict[str, Any]
 REPORT_ARTIFACT_KEY = "alignloop-report"     # the Prefect artifact (one version per run)
@@ -126,11 +128,21 @@ def record_iteration(root: str, iteration: int, runs: list[dag.StageRun],
     if iteration > 0:
         p = load_params(path / layout.PARAMS_FILE)
         common = {"git_commit": sha, "prefect_flow_run_id": flow_run_id,
-                  "judge": f"{p.judge.kind}:{p.judge.version}", "algo": p.update.algo,
+                  **judge_tags(p.judge, path), "algo": p.update.algo,
                   "reference": p.update.reference, "workspace": str(path)}
         summary.update(registry.register_iteration(path, iteration, lock, run_id, common))
         summary["gate"] = apply_gate(path, iteration, summary["policy_version"])
     return summary
+
+
+def judge_tags(jp: JudgeParams, root: Path) -> dict[str, str]:
+    """The judge as registry tags: kind:version for the lexicons (as before); for pairwise
+    judges kind:model (or kind:served, the server's one model), its template and its md5."""
+    if jp.kind not in PAIRWISE_KINDS:
+        return {"judge": f"{jp.kind}:{jp.version}"}
+    return {"judge": f"{jp.kind}:{jp.model or 'served'}", "judge_template": jp.template,
+            "judge_template_md5": load_template(root, jp.template).md5,
+            "judge_decoding": jp.decoding}
 
 
 def apply_gate(root: Path, iteration: int, version: str) -> str:

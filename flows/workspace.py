@@ -146,7 +146,7 @@ def _sync_file(src: Path, dst: Path, data: bytes | None = None) -> bool:
     return True
 
 
-DATA_DIRS = ("prompts", "gold")   # params/<dir>/*: versioned data the stages read
+DATA_DIRS = ("prompts", "gold", "judges")   # params/<dir>/*: versioned data the stages read
 
 
 def sync_declaration(root: Path, params_file: Path) -> list[str]:

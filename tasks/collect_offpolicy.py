@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks import jsonl, layout, lm, stage
-from tasks.judge import judge_groups, pool_margin, rollout_groups
+from tasks.judge import judge_all, rollout_groups
 from tasks.judges import make_judge
 from tasks.jsonl import DataError
 from tasks.pair_import import read_pairs
@@ -57,8 +57,8 @@ def cold_start(p: Params, root: Path) -> tuple[list[PreferencePair], dict[str, f
     rollouts = sample_rollouts(model, tok, prompts, p.offpolicy.samples_per_prompt,
                                p.offpolicy.generation, p.model.max_prompt_tokens,
                                lm.weights_md5(policy_dir), 0, stage.generator(p.seed, 0))
-    _, pool, metrics = judge_groups(make_judge(p.judge), rollout_groups(rollouts, 0),
-                                    "cold_start", p.judge.pairs_per_prompt, pool_margin(p.judge))
+    _, pool, metrics = judge_all(make_judge(p.judge, root), rollout_groups(rollouts, 0),
+                                 "cold_start", p.judge)
     return pool, metrics
 
 

@@ -17,7 +17,8 @@ import torch
 
 from tasks import jsonl, layout, lm, stage
 from tasks.gold import GoldEvaluator, GoldScore, gold_verdict, mean_nll
-from tasks.judges import PointwiseJudge, Verdict, judge_pair, make_judge
+from tasks.judges import (PairwiseJudge, PointwiseJudge, Verdict, is_pointwise, judge_pair,
+                          judge_pairs, make_judge, position_flipped)
 from tasks.jsonl import DataError
 from tasks.params import GenerationParams, MonitorParams, Params
 from tasks.records import Rollout, parse_rollout, prompt_to_record
@@ -75,6 +76,8 @@ def rm_disagreement(sd_pol: torch.Tensor, sd_ref: torch.Tensor) -> dict[str, flo
 
 def compare(judge: PointwiseJudge, pol: Sequence[Rollout], ref: Sequence[Rollout],
             n_boot: int, seed: int) -> tuple[dict[str, float], list[Verdict]]:
+    if not is_pointwise(judge):
+        return compare_pairwise(judge, pol, ref, n_boot, seed)
     verdicts = [judge_pair(judge, a.prompt, a.text, b.text) for a, b in zip(pol, ref)]
     wr = win_rate(verdicts, n_boot, seed)
     s_pol = [x for x in judge.score([s.prompt for s in pol], [s.text for s in pol]) if x is not None]
@@ -86,6 +89,28 @@ def compare(judge: PointwiseJudge, pol: Sequence[Rollout], ref: Sequence[Rollout
         "eval/judge_score": sum(s_pol) / max(len(s_pol), 1),
         "eval/ref_judge_score": sum(s_ref) / max(len(s_ref), 1),
     }
+    return metrics, verdicts
+
+
+def compare_pairwise(judge: PairwiseJudge, pol: Sequence[Rollout], ref: Sequence[Rollout],
+                     n_boot: int, seed: int) -> tuple[dict[str, float], list[Verdict]]:
+    """A pairwise judge's win rate (both orders, all at once), its position-bias rate and
+    counters; it has no score, so no mean judge score."""
+    results = judge_pairs(judge, [(a.prompt, a.text, b.text) for a, b in zip(pol, ref)])
+    verdicts = [v for v, _, _ in results]
+    wr = win_rate(verdicts, n_boot, seed)
+    both = sum("invalid" not in (f, r) for _, f, r in results)
+    flips = sum(position_flipped(f, r) for _, f, r in results)
+    metrics = {
+        "eval/win_rate": wr["win_rate"], "eval/win_rate_ci_low": wr["ci_low"],
+        "eval/win_rate_ci_high": wr["ci_high"], "eval/n": wr["n"],
+        "eval/tie_rate": wr["rate_tie"], "eval/invalid_rate": wr["rate_invalid"],
+        "eval/judge_position_bias_rate": flips / both if both else 0.0,
+    }
+    stats = getattr(judge, "stats", None)
+    if stats is not None:
+        stats.check_answered(f"{judge.kind} judge (evaluate)")
+        metrics.update(stats.metrics("eval/judge_"))
     return metrics, verdicts
 
 
@@ -189,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
                           else token_logprobs(ref, refs, pad))
     del policy
     # 3. judge, gold and reward model verdicts
-    metrics, verdicts = compare(make_judge(p.judge), pol, refs, p.evaluate.bootstrap, p.seed)
+    metrics, verdicts = compare(make_judge(p.judge, root), pol, refs, p.evaluate.bootstrap,
+                                p.seed)
     gold = GoldEvaluator(p.evaluate.gold, root)
     g_metrics, g_verdicts, g_pol, g_ref = gold_compare(
         gold, pol, refs, subjects, mean_nll(ref_on_pol, mask), mean_nll(ref_logp, ref_mask),
@@ -252,7 +278,7 @@ def evaluate_best_of_n(p: Params, root: Path, rm: torch.nn.Module, gold: GoldEva
         raise DataError(f"{path}: Best-of-N candidates do not match the held-out prompts; "
                         f"rerun reference_samples")
     picked = best_of_n(rm, candidates, bon.n, pad)
-    judge_m, _ = compare(make_judge(p.judge), picked, refs[:n_prompts], p.evaluate.bootstrap,
+    judge_m, _ = compare(make_judge(p.judge, root), picked, refs[:n_prompts], p.evaluate.bootstrap,
                          p.seed)
     nll = [mean_nll(*padded([s.logprobs]))[0] for s in picked]
     ref_nll = [mean_nll(*padded([s.logprobs]))[0] for s in refs[:n_prompts]]

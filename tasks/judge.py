@@ -6,14 +6,20 @@ the verdict is clear: DPO's pairs. The reward model learns from more: with `pool
 every pair of the K samples whose scores differ by at least `pool_margin` and whose verdict
 holds in both orders (up to K(K-1)/2 per prompt, 28 at K = 8) joins the pool that the next
 reward model trains on: off-policy cold start, on-policy iteration.
+
+Pairwise judges (`judge.kind: llm | http`) have no scores to rank by: they compare a seeded set
+of pairs of the K samples instead (`pairwise_groups`), with their verdicts cached.
 """
 from __future__ import annotations
 
+import hashlib
+import random
 from collections.abc import Sequence
 from itertools import combinations, groupby
 
 from tasks import jsonl, layout, stage
-from tasks.judges import PointwiseJudge, Verdict, judge_pair, make_judge, verdict_rates
+from tasks.judges import (LexiconJudge, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
+                          judge_pair, judge_pairs, make_judge, position_flipped, verdict_rates)
 from tasks.params import JudgeParams
 from tasks.records import PreferencePair, Prompt, Rollout, Sampled, parse_pair, parse_rollout
 
@@ -113,6 +119,92 @@ def judge_groups(judge: PointwiseJudge, groups: Sequence[Group], source: str,
     return pairs, pool, metrics
 
 
+def seeded_pairs(key: str, responses: Sequence[str], n: int) -> list[tuple[int, int]]:
+    """A fixed set of `n` index pairs (i < j, different texts) of one prompt's responses,
+    drawn by an RNG seeded from `key` (the prompt id): the same prompt and K, the same pairs."""
+    cands = [(i, j) for i, j in combinations(range(len(responses)), 2)
+             if responses[i] != responses[j]]
+    random.Random(int(hashlib.md5(key.encode()).hexdigest()[:16], 16)).shuffle(cands)
+    return cands[:n]
+
+
+def pairwise_groups(judge: PairwiseJudge, groups: Sequence[Group], source: str,
+                    jp: JudgeParams) -> tuple[list[PreferencePair], list[PreferencePair],
+                                              dict[str, float]]:
+    """Pairs for a judge without scores: per prompt a seeded set of comparisons among its K
+    samples (`comparisons_per_prompt`), all shown in both orders at once; a pair whose verdict
+    is clear (A or B in both orders) has its winner chosen. DPO's pairs: up to
+    `pairs_per_prompt` of them with disjoint responses, in the seeded order; the pool: those,
+    or with `pool_pairs: all` every clear one. Metrics: verdict, tie, invalid and
+    position-bias rates, the judge's counters, and agreement with the lexicon judge."""
+    plan = [(g, i, j) for n, g in enumerate(groups)
+            for i, j in seeded_pairs(str(g[2].get("prompt_id", n)), g[1],
+                                     jp.comparisons_per_prompt)]
+    results = judge_pairs(judge, [(g[0], g[1][i], g[1][j]) for g, i, j in plan])
+    stats = getattr(judge, "stats", None)
+    if stats is not None:
+        stats.check_answered(f"{judge.kind} judge ({source})")
+        print(f"{judge.kind} judge ({source}): {stats.summary()}")
+    pairs, pool, clear = [], [], []
+    for key, rows in groupby(zip(plan, results), key=lambda r: id(r[0][0])):
+        used: set[int] = set()
+        picked = 0
+        for (g, i, j), (verdict, _, _) in rows:
+            if verdict not in ("A", "B"):
+                continue
+            hi, lo = (i, j) if verdict == "A" else (j, i)
+            prompt, responses, meta, *sampled = g
+            clear.append((prompt, responses[hi], responses[lo]))
+            dpo = picked < jp.pairs_per_prompt and not {hi, lo} & used
+            tokens = {responses[k]: sampled[0][k] for k in (hi, lo)} if sampled else {}
+            pair = PreferencePair(prompt, responses[hi], responses[lo], source, {
+                **meta, "judge": f"{judge.kind}:{judge.version}",
+                "pair_rank": picked if dpo else -1}, tokens)
+            if dpo:
+                pairs.append(pair)
+                used |= {hi, lo}
+                picked += 1
+            if dpo or jp.pool_pairs == "all":
+                pool.append(pair)
+    verdicts = [v for v, _, _ in results]
+    flips = sum(position_flipped(f, r) for _, f, r in results)
+    both = sum("invalid" not in (f, r) for _, f, r in results)
+    metrics = {f"judge/{k}": v for k, v in verdict_rates(verdicts).items()}
+    metrics.update({
+        "judge/n_pairs": float(len(pairs)), "judge/n_pool_pairs": float(len(pool)),
+        "judge/n_prompts_with_pair": float(len({p.meta.get("prompt_id", i)
+                                                for i, p in enumerate(pairs)})),
+        "judge/n_responses": float(sum(len(g[1]) for g in groups)),
+        "judge/position_bias_rate": flips / both if both else 0.0,
+        "judge/n_position_flips": float(flips),
+    })
+    metrics.update(stats.metrics("judge/") if stats is not None else {})
+    metrics.update(lexicon_agreement(jp, clear, "judge/"))
+    return pairs, pool, metrics
+
+
+def lexicon_agreement(jp: JudgeParams, clear: Sequence[tuple[Prompt, str, str]],
+                      prefix: str) -> dict[str, float]:
+    """How often the VADER lexicon judge (same tie margin and minimum words), shown the same
+    pairs in both orders, also prefers the pairwise judge's winner: over the pairs it has a
+    clear verdict on."""
+    lex = LexiconJudge(jp.tie_margin, jp.min_words, "vader-v1")
+    said = [judge_pair(lex, p, a, b) for p, a, b in clear]
+    decided = [v for v in said if v in ("A", "B")]
+    return {f"{prefix}lexicon_agreement": sum(v == "A" for v in decided) / max(len(decided), 1),
+            f"{prefix}lexicon_agreement_n": float(len(decided))}
+
+
+def judge_all(judge: PairwiseJudge, groups: Sequence[Group], source: str, jp: JudgeParams
+              ) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, float]]:
+    """Pointwise judges: `judge_groups` (best vs worst, margin pairs), exactly as before;
+    pairwise judges: `pairwise_groups`."""
+    if is_pointwise(judge):
+        return judge_groups(judge, groups, source,  # type: ignore[arg-type]
+                            jp.pairs_per_prompt, pool_margin(jp))
+    return pairwise_groups(judge, groups, source, jp)
+
+
 def rollout_groups(rollouts: Sequence[Rollout], iteration: int) -> list[Group]:
     """Group consecutive rollouts of one prompt: (prompt, texts, meta, sampled tokens) each."""
     return [(rs[0].prompt, [r.text for r in rs],
@@ -128,8 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     rollouts = [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
     groups = rollout_groups(rollouts, it)
     jp = args.params.judge
-    pairs, new, metrics = judge_groups(make_judge(jp), groups, f"iter_{it}",
-                                       jp.pairs_per_prompt, pool_margin(jp))
+    pairs, new, metrics = judge_all(make_judge(jp, root), groups, f"iter_{it}", jp)
     pool_path = str(root / layout.pairs_pool(it - 1))
     pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
     jsonl.write(root / layout.pairs(it), (p.to_record() for p in pairs))

@@ -5,14 +5,16 @@ A judge compares two responses to one prompt and returns a Verdict: "A", "B", "t
 mind with the order gets "tie", never a coin flip. Judges that also score single responses
 (pointwise judges) let the pipeline pick best-vs-worst of K samples.
 
-New kinds (reward-model judge, local-LLM pairwise judge, HTTP judge) implement `PairwiseJudge`
-or `PointwiseJudge` and register in `JUDGES`.
+Pointwise kinds (the lexicons) register in `JUDGES`; the pairwise LLM judges (`llm`: a local
+causal LM, `http`: an OpenAI-compatible server) are built by tasks/judge_factory.py and judged
+many comparisons at a time (`judge_pairs`).
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol
 
 from tasks.params import JudgeParams
@@ -42,11 +44,32 @@ _FLIP: dict[Verdict, Verdict] = {"A": "B", "B": "A", "tie": "tie", "invalid": "i
 
 def judge_pair(judge: PairwiseJudge, prompt: Prompt, a: str, b: str) -> Verdict:
     """Compare a and b in both orders; agreeing verdicts stand, disagreeing ones are a tie."""
-    forward = judge.compare(prompt, a, b)
-    backward = _FLIP[judge.compare(prompt, b, a)]
+    return swapped(judge.compare(prompt, a, b), judge.compare(prompt, b, a))
+
+
+def swapped(forward: Verdict, reverse: Verdict) -> Verdict:
+    """The verdict on (a, b) from `forward` = compare(a, b) and `reverse` = compare(b, a)."""
+    backward = _FLIP[reverse]
     if "invalid" in (forward, backward):
         return "invalid"
     return forward if forward == backward else "tie"
+
+
+def position_flipped(forward: Verdict, reverse: Verdict) -> bool:
+    """Both orders answered, and the verdict changed with the order (position bias)."""
+    backward = _FLIP[reverse]
+    return "invalid" not in (forward, backward) and forward != backward
+
+
+def judge_pairs(judge: PairwiseJudge, items: Sequence[tuple[Prompt, str, str]]
+                ) -> list[tuple[Verdict, Verdict, Verdict]]:
+    """(verdict, forward, reverse) for every (prompt, a, b): `judge_pair` for many at once.
+    A judge with `compare_many` (the pairwise LLM judges) gets all 2N orders in one call."""
+    orders = [(p, a, b) for p, a, b in items] + [(p, b, a) for p, a, b in items]
+    many = getattr(judge, "compare_many", None)
+    raw = many(orders) if many else [judge.compare(*o) for o in orders]
+    n = len(items)
+    return [(swapped(raw[i], raw[n + i]), raw[i], raw[n + i]) for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -185,8 +208,20 @@ JUDGES: dict[str, Callable[[JudgeParams], PointwiseJudge]] = {
 }
 
 
-def make_judge(p: JudgeParams) -> PointwiseJudge:
+PAIRWISE_KINDS = ("llm", "http")
+
+
+def make_judge(p: JudgeParams, root: Path | None = None) -> PointwiseJudge:
+    """The configured judge. Pairwise kinds (llm, http) read their template and keep their
+    verdict cache under the workspace `root` (they have no `score`: see `is_pointwise`)."""
+    if p.kind in PAIRWISE_KINDS:
+        from tasks.judge_factory import make_pairwise_judge
+        return make_pairwise_judge(p, Path(".") if root is None else root)  # type: ignore[return-value]
     return JUDGES[p.kind](p)
+
+
+def is_pointwise(judge: PairwiseJudge) -> bool:
+    return getattr(judge, "pointwise", True) and hasattr(judge, "score")
 
 
 def verdict_rates(verdicts: Sequence[Verdict]) -> dict[str, float]:

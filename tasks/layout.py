@@ -15,6 +15,7 @@ OFFPOLICY_METRICS = "metrics/offpolicy.json"
 MODEL_META = "alignloop_model.json"      # written inside every saved model directory
 RM_MEMBER_PREFIX = "member_"            # ensemble K > 1: models/iter_k/rm/member_0, member_1, ...
 AUDIT_LABELS = "audit/labels.jsonl"      # the person's audit verdicts; git-tracked, never an out
+JUDGE_CACHE_DIR = ".alignloop/judge-cache"   # pairwise judges' verdicts (machine state, no out)
 
 
 def policy(it: int) -> str:

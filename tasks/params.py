@@ -76,8 +76,8 @@ class OffpolicyParams:
 
 @dataclass(frozen=True)
 class JudgeParams:
-    kind: Literal["lexicon", "lexicon_topic", "lexicon_review"] = "lexicon"
-    version: str = "vader-v1"
+    kind: Literal["lexicon", "lexicon_topic", "lexicon_review", "llm", "http"] = "lexicon"
+    version: str = "vader-v1"      # lexicon kinds: their identity (llm/http: model+template md5)
     tie_margin: float = 0.05       # |score_a - score_b| below this is a tie
     min_words: int = 1             # responses with fewer words are judged invalid
     off_topic_penalty: float = 1.0  # lexicon_topic: subtracted when no title word is mentioned
@@ -85,6 +85,16 @@ class JudgeParams:
     pairs_per_prompt: int = 1      # i-th best vs i-th worst of K, i < this (disjoint ranks)
     pool_pairs: Literal["ranked", "all"] = "ranked"   # the RM's pairs: DPO's, or every pair
     pool_margin: float = 0.2       # all: score gap a pair needs (at least tie_margin)
+    template: str = "params/judges/pairwise_review.txt"  # llm/http: the versioned prompt
+    model: str = ""                # llm: a local HF model directory; http: the model name ("" =
+                                   #   the one the server lists first in /v1/models)
+    decoding: Literal["greedy", "logprob"] = "greedy"   # llm: generate, or argmax of verdict log-probs
+    max_new_tokens: int = 4        # llm greedy / http: reply length cap (a verdict is one word)
+    comparisons_per_prompt: int = 4  # llm/http: seeded pairs of the K samples compared per prompt
+    max_concurrency: int = 4       # http: requests in flight at once
+    timeout_s: float = 60.0        # http: per request
+    max_retries: int = 3           # http: retries on 429, 5xx and timeouts (then: invalid)
+    backoff_s: float = 1.0         # http: first retry delay, doubled on each further retry
 
 
 @dataclass(frozen=True)
@@ -407,6 +417,10 @@ def _check_ranges(p: Params, b: _Builder) -> None:
         ("train_rm", "lr"): p.train_rm.lr, ("update", "dpo", "beta"): p.update.dpo.beta,
         ("update", "ppo", "clip"): p.update.ppo.clip,
         ("judge", "pairs_per_prompt"): p.judge.pairs_per_prompt,
+        ("judge", "max_new_tokens"): p.judge.max_new_tokens,
+        ("judge", "comparisons_per_prompt"): p.judge.comparisons_per_prompt,
+        ("judge", "max_concurrency"): p.judge.max_concurrency,
+        ("judge", "timeout_s"): p.judge.timeout_s,
     }
     for path, value in positive.items():
         if value <= 0:
@@ -422,6 +436,7 @@ def _check_ranges(p: Params, b: _Builder) -> None:
         b.fail(("train_rm", "heldout_fraction"), "must be in (0, 1)")
     _check_dpo_and_rm(p, b)
     _check_ppo(p, b)
+    _check_judge(p, b)
     if p.model.source == "hf_dir" and not p.model.path:
         b.fail(("model", "path"), "model.source is hf_dir but model.path is empty")
 
@@ -468,6 +483,20 @@ def _check_import_path(p: Params, b: _Builder) -> None:
         b.fail(("offpolicy", "import_path"), f"{raw!r} is not inside the workspace's "
                f"{layout.IMPORT_DIR}/; bring the file in with `alignloop import FILE "
                f"--workspace WORKSPACE` (it writes {layout.IMPORT_PAIRS})")
+
+
+def _check_judge(p: Params, b: _Builder) -> None:
+    j = p.judge
+    if j.max_retries < 0 or j.backoff_s < 0:
+        b.fail(("judge", "max_retries" if j.max_retries < 0 else "backoff_s"), "must be >= 0")
+    if j.kind == "llm" and not j.model:
+        b.fail(("judge", "model"), "judge.kind llm needs judge.model (a local model directory)")
+    if j.kind == "http" and j.decoding != "greedy":
+        b.fail(("judge", "decoding"), "the http judge decodes greedily (temperature 0); "
+               "logprob is for judge.kind: llm")
+    if j.kind in ("llm", "http") and not j.template.startswith("params/judges/"):
+        b.fail(("judge", "template"), f"{j.template!r}: templates live in params/judges/ (the "
+               "versioned files synced into the workspace)")
 
 
 def _check_dpo_and_rm(p: Params, b: _Builder) -> None:

@@ -97,7 +97,7 @@ def test_float_for_int_is_a_wrong_type(tmp_path: Path) -> None:
 def test_bad_literal(tmp_path: Path) -> None:
     path = write(tmp_path, BASE + "judge:\n  kind: gpt\n")
     msg = load_error(path)
-    assert msg.startswith(f"{path}:12: judge.kind: expected one of ['lexicon', 'lexicon_topic', 'lexicon_review']"), msg
+    assert msg.startswith(f"{path}:12: judge.kind: expected one of ['lexicon', 'lexicon_topic', 'lexicon_review', 'llm', 'http']"), msg
 
 
 def test_missing_iteration_item_key(tmp_path: Path) -> None:

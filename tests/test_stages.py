@@ -58,7 +58,8 @@ def run(main: Callable[[list[str] | None], None], root: Path, it: int = 0) -> No
 
 def new_workspace(root: Path, params_text: str | None = None) -> Path:
     (root / "params").mkdir(parents=True)
-    shutil.copytree(REPO / "params" / "prompts", root / "params" / "prompts")
+    for name in ("prompts", "gold", "judges"):      # the versioned data the stages read
+        shutil.copytree(REPO / "params" / name, root / "params" / name)
     (root / layout.PARAMS_FILE).write_text(params_text or TINY.read_text())
     (root / layout.IMPORT_DIR).mkdir(parents=True)
     return root

@@ -1,0 +1,113 @@
+"""A local OpenAI-compatible judge server: `transformers serve` on loopback, pinned to one model.
+
+`alignloop judge-server start --model DIR` runs it in its own session (it outlives the CLI),
+with its pid, port and log under the workspace's `.alignloop/` (judge-server.json,
+judge-server.log), and waits until /health answers. Point the http judge at it with
+`export ALIGNLOOP_JUDGE_URL=http://127.0.0.1:PORT/v1`; with `judge.model: ""` the judge asks
+/v1/models for the name. Needs the `serving` extra (fastapi, uvicorn, openai).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from flows.server import HOST, _free_port
+from flows.workspace import QUIET_ENV, Workspace
+from tasks import layout
+
+SERVE = "from transformers.cli.transformers import main; main()"   # the `transformers` script
+
+
+def _state_file(ws: Workspace) -> Path:
+    return ws.state / "judge-server.json"
+
+
+def healthy(base_url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(base_url.removesuffix("/v1") + "/health",
+                                    timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def status(ws: Workspace) -> dict[str, Any] | None:
+    """The running server's pid, URL, model and log, or None."""
+    path = _state_file(ws)
+    if not path.is_file():
+        return None
+    info = json.loads(path.read_text())
+    try:
+        os.kill(info["pid"], 0)
+    except OSError:
+        path.unlink(missing_ok=True)
+        return None
+    return {**info, "healthy": healthy(info["url"])}
+
+
+def default_model(ws: Workspace) -> Path:
+    """The workspace's initial policy: the model the loop starts from judges it."""
+    return ws.root / layout.policy(0)
+
+
+def start(ws: Workspace, model: Path | None = None, port: int = 8000,
+          timeout: float = 300.0) -> dict[str, Any]:
+    running = status(ws)
+    if running and running["healthy"]:
+        return running
+    model = (model or default_model(ws)).expanduser().resolve()
+    if not (model / "config.json").is_file():
+        raise FileNotFoundError(f"{model}: not a saved transformers model directory (no "
+                                "config.json); pass --model DIR")
+    ws.state.mkdir(parents=True, exist_ok=True)
+    port = _free_port(port)
+    log_path = ws.state / "judge-server.log"
+    env = {**os.environ, **QUIET_ENV}
+    cmd = [sys.executable, "-c", SERVE, "serve", str(model), "--host", HOST, "--port",
+           str(port), "--log-level", "info", "--device", "cpu"]
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    url = f"http://{HOST}:{port}/v1"
+    info = {"pid": proc.pid, "port": port, "url": url, "model": str(model),
+            "log": str(log_path)}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"transformers serve exited with {proc.returncode}: "
+                               f"{' | '.join(tail)} (log: {log_path})")
+        if healthy(url):
+            _state_file(ws).write_text(json.dumps(info))
+            return {**info, "healthy": True}
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGTERM)
+    raise RuntimeError(f"transformers serve not healthy after {timeout:.0f} s; see {log_path}")
+
+
+def stop(ws: Workspace, timeout: float = 30.0) -> bool:
+    info = status(ws)
+    if info is None:
+        return False
+    try:
+        os.killpg(info["pid"], signal.SIGTERM)
+    except OSError:
+        pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(info["pid"], 0)
+        except OSError:
+            break
+        time.sleep(0.2)
+    else:
+        os.killpg(info["pid"], signal.SIGKILL)
+    _state_file(ws).unlink(missing_ok=True)
+    return True

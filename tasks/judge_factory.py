@@ -1,0 +1,32 @@
+"""Build a pairwise LLM judge (`judge.kind: llm | http`) from params and the workspace root."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.pairwise import PairwiseLLMJudge, cache_path, load_template
+from tasks.params import JudgeParams
+from tasks.verdict_cache import VerdictCache
+
+
+def make_pairwise_judge(p: JudgeParams, root: Path) -> PairwiseLLMJudge:
+    template = load_template(root, p.template)
+    if p.kind == "http":
+        from tasks.judge_http import HttpBackend, endpoint_from_env, served_model
+        endpoint = endpoint_from_env()
+        model = p.model or served_model(endpoint, p.timeout_s)
+        backend = HttpBackend(endpoint, model, p.max_new_tokens, p.max_concurrency,
+                              p.timeout_s, p.max_retries, p.backoff_s)
+        batch = max(16, 4 * p.max_concurrency)
+    elif p.kind == "llm":
+        from tasks import lm
+        from tasks.judge_llm import LocalLMBackend
+        model_dir = (root / Path(p.model).expanduser()).resolve()
+        lm.check_model_dir(model_dir)
+        backend = LocalLMBackend(model_dir, p.decoding, p.max_new_tokens)  # type: ignore[assignment]
+        model, batch = f"{model_dir.name}@{lm.weights_md5(model_dir)}", 32
+    else:
+        raise ValueError(f"not a pairwise judge kind: {p.kind}")
+    decoding = p.decoding if p.decoding == "logprob" else f"greedy,max_tokens={p.max_new_tokens}"
+    judge = PairwiseLLMJudge(p.kind, model, decoding, template, backend, None, batch)
+    judge.cache = VerdictCache(cache_path(root, judge.version), judge.version)
+    return judge

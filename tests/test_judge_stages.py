@@ -1,0 +1,163 @@
+"""Pairwise judges in the stages, on the tiny model: the `llm` judge (verdict log-probs of the
+tiny policy itself) through collect_offpolicy and judge, and the `http` judge against a local
+OpenAI-style server: template md5 in every pair's meta, judge metrics, and a rerun of the judge
+stage answered from the verdict cache."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import set_params
+from tasks import collect_offpolicy, jsonl, judge, layout, prepare_model, prompts, rollout
+from tasks.judge_llm import LocalLMBackend
+from tasks.pairwise import JudgeStats
+from tasks.params import load_params
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = "params/judges/pairwise_review.txt"
+
+
+def run(main, root: Path, it: int = 0) -> None:
+    main(["--root", str(root), "--it", str(it)])
+
+
+def set_judge(root: Path, **judge_keys: object) -> None:
+    params = root / layout.PARAMS_FILE
+    data = yaml.safe_load(params.read_text())
+    data["judge"].update(judge_keys)
+    params.write_text(yaml.safe_dump(data, sort_keys=False))
+    load_params(params)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny workspace up to rollout@1 (one iteration, 4 prompts x 4 samples)."""
+    root = tmp_path_factory.mktemp("pairwise-stages") / "base"
+    for name in ("prompts", "judges"):
+        shutil.copytree(REPO / "params" / name, root / "params" / name)
+    (root / layout.IMPORT_DIR).mkdir(parents=True)
+    params = root / layout.PARAMS_FILE
+    params.write_text((REPO / "params" / "tiny.yaml").read_text())
+    set_params(params, iterations={"1": {"prev": 0}}, offpolicy__n_prompts=4,
+               rollout__n_prompts=4)
+    for main in (prompts.main, prepare_model.main, collect_offpolicy.main):
+        run(main, root)
+    run(rollout.main, root, 1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def llm_workspace(base: Path) -> Path:
+    root = base.parent / "llm"
+    shutil.copytree(base, root)
+    set_judge(root, kind="llm", model="models/iter_0/policy", decoding="logprob",
+              comparisons_per_prompt=3)
+    run(collect_offpolicy.main, root)
+    run(judge.main, root, 1)
+    return root
+
+
+class Consistent(BaseHTTPRequestHandler):
+    """An OpenAI-style judge that prefers the shorter response (swap-consistent)."""
+    requests = 0
+
+    def do_POST(self) -> None:      # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        text = body["messages"][0]["content"]
+        a = text.split("Response A:\n")[1].split("\n\nResponse B:")[0]
+        b = text.split("Response B:\n")[1].split("\n\nWhich response")[0]
+        verdict = "tie" if len(a) == len(b) else "A" if len(a) < len(b) else "B"
+        type(self).requests += 1
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": verdict}}],
+                           "usage": {"prompt_tokens": 50, "completion_tokens": 1}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def http_workspace(base: Path) -> Iterator[Path]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Consistent)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    root = base.parent / "http"
+    shutil.copytree(base, root)
+    set_judge(root, kind="http", model="judge-m", comparisons_per_prompt=6, pool_pairs="all")
+    old = os.environ.get("ALIGNLOOP_JUDGE_URL")
+    os.environ["ALIGNLOOP_JUDGE_URL"] = f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    try:
+        run(judge.main, root, 1)
+        yield root
+    finally:
+        if old is None:
+            os.environ.pop("ALIGNLOOP_JUDGE_URL", None)
+        else:
+            os.environ["ALIGNLOOP_JUDGE_URL"] = old
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_logprob_backend_is_deterministic_and_always_answers(base: Path) -> None:
+    be = LocalLMBackend(base / layout.policy(0), "logprob", 4)
+    texts = ["Which is better? A or B", "Another question entirely"]
+    first, second = be.ask_many(texts, JudgeStats()), be.ask_many(texts, JudgeStats())
+    assert first == second and all(r.verdict in ("A", "B", "tie") for r in first)
+    greedy = LocalLMBackend(base / layout.policy(0), "greedy", 3)
+    stats = JudgeStats()
+    replies = greedy.ask_many(texts, stats)
+    assert [r.verdict for r in replies] == [r.verdict for r in greedy.ask_many(texts, stats)]
+    assert stats.requests == 4 and stats.prompt_tokens > 0
+
+
+METRICS = ("judge/rate_invalid", "judge/rate_tie", "judge/position_bias_rate", "judge/requests",
+           "judge/tokens", "judge/seconds", "judge/cache_hits", "judge/cache_misses",
+           "judge/lexicon_agreement")
+
+
+def test_llm_judge_stage_reports_its_rates(llm_workspace: Path) -> None:
+    """A random tiny model as judge: it says the same word whatever the order, so its position
+    bias shows and its verdicts are ties: measured, not hidden."""
+    m = json.loads((llm_workspace / layout.metrics(1, "judge")).read_text())
+    assert all(k in m for k in METRICS)
+    assert m["judge/n"] == 4 * 3 and m["judge/requests"] == m["judge/cache_misses"] > 0
+    assert m["judge/rate_tie"] + m["judge/rate_A"] + m["judge/rate_B"] == pytest.approx(1.0)
+    md5 = hashlib.md5((REPO / TEMPLATE).read_bytes()).hexdigest()
+    for _, p in jsonl.read(llm_workspace / layout.pairs_pool(1)):
+        assert p["meta"]["judge"].startswith("llm:policy@") and \
+            f"|template={md5}|logprob" in p["meta"]["judge"] or p["source"] == "cold_start"
+
+
+def test_http_judge_stage_records_template_md5_and_metrics(http_workspace: Path) -> None:
+    md5 = hashlib.md5((REPO / TEMPLATE).read_bytes()).hexdigest()
+    pairs = [r for _, r in jsonl.read(http_workspace / layout.pairs(1))]
+    pool = [r for _, r in jsonl.read(http_workspace / layout.pairs_pool(1))
+            if r["source"] == "iter_1"]
+    assert pairs and len(pool) >= len(pairs)
+    assert {p["meta"]["judge"] for p in pool} == \
+        {f"http:judge-m|template={md5}|greedy,max_tokens=4"}
+    assert all(len(p["chosen"]) < len(p["rejected"]) for p in pool)
+    m = json.loads((http_workspace / layout.metrics(1, "judge")).read_text())
+    assert all(k in m for k in METRICS)
+    assert m["judge/requests"] == Consistent.requests > 0 and m["judge/failed"] == 0
+    assert m["judge/position_bias_rate"] == 0.0 and m["judge/tokens"] == 51 * m["judge/requests"]
+
+
+def test_http_judge_rerun_is_answered_from_the_cache(http_workspace: Path) -> None:
+    before, asked = (http_workspace / layout.pairs(1)).read_bytes(), Consistent.requests
+    run(judge.main, http_workspace, 1)
+    m = json.loads((http_workspace / layout.metrics(1, "judge")).read_text())
+    assert Consistent.requests == asked and m["judge/requests"] == 0
+    assert m["judge/cache_hits"] == m["judge/comparisons"] > 0 and m["judge/cache_misses"] == 0
+    assert (http_workspace / layout.pairs(1)).read_bytes() == before
