@@ -216,6 +216,11 @@ def write_model_card(model_dir: Path, root: Path, stage: str, it: int, p: Params
     notes = [f"An ensemble of {len(weights)} members: MLflow loads `member_0` alone; "
              "alignloop's `tasks.reward_model.load_reward_model` loads them all."] \
         if len(weights) > 1 else []
+    if stage == "train_rm" and p.train_rm.pooling == "mean":
+        notes.append("The reward is the head applied to the mean of the backbone's final states "
+                     "over the response's tokens (`train_rm.pooling: mean`); a plain "
+                     "text-classification pipeline reads the last token instead, so score with "
+                     "`tasks.reward_model.load_reward_model` for the rewards the loop used.")
     name = stage if stage == "prepare_model" else f"{stage}@{it}"
     card = Card(name, role, it, model_path, task, base_model(meta), meta, algorithm(p, stage), md5,
                 datasets, judges, {k: float(v) for k, v in metrics.items()}, parent_of(stage, it),

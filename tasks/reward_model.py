@@ -5,7 +5,7 @@ chat-rendered sequence: at its last real token (`pooling: last`, HF's sequence-c
 read-out), or averaged over the response's tokens (`pooling: mean`). Most sampled responses end
 at max_new_tokens, mid-sentence, where the last token's state of a small model says little about
 the whole: on seed 0's first rollouts a linear head on frozen last-token states reached 0.50
-held-out accuracy, on mean-pooled ones 0.83 (/tmp probe, README's results). The head can be fitted
+held-out accuracy, on mean-pooled ones 0.83 (benchmarks/rm_probe.py). The head can be fitted
 in closed form on frozen features first (`head_init: probe`: an L2 logistic regression on the
 chosen-minus-rejected features), then fine-tuned with the backbone for `epochs` (0 = the probe
 alone). An ensemble's reward is the mean over its members and its uncertainty
