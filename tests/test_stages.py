@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import set_params as set_workspace_params
+
+from flows.workspace import DATA_DIRS
 from tasks import (collect_offpolicy, evaluate, jsonl, judge, layout, lm, prepare_model, prompts,
                    reference_samples, reward_model, rollout, stage, train_rm, update)
 from tasks.judges import LexiconJudge
@@ -58,7 +60,7 @@ def run(main: Callable[[list[str] | None], None], root: Path, it: int = 0) -> No
 
 def new_workspace(root: Path, params_text: str | None = None) -> Path:
     (root / "params").mkdir(parents=True)
-    for name in ("prompts", "gold", "judges"):      # the versioned data the stages read
+    for name in DATA_DIRS:                          # the versioned data the stages read
         shutil.copytree(REPO / "params" / name, root / "params" / name)
     (root / layout.PARAMS_FILE).write_text(params_text or TINY.read_text())
     (root / layout.IMPORT_DIR).mkdir(parents=True)
