@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from flows.server import HOST, _free_port
+from flows.server import HOST, _free_port, stop_group, wait_healthy
 from flows.workspace import QUIET_ENV, Workspace
 from tasks import layout
 
@@ -78,36 +76,15 @@ def start(ws: Workspace, model: Path | None = None, port: int = 8000,
     url = f"http://{HOST}:{port}/v1"
     info = {"pid": proc.pid, "port": port, "url": url, "model": str(model),
             "log": str(log_path)}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-            raise RuntimeError(f"transformers serve exited with {proc.returncode}: "
-                               f"{' | '.join(tail)} (log: {log_path})")
-        if healthy(url):
-            _state_file(ws).write_text(json.dumps(info))
-            return {**info, "healthy": True}
-        time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGTERM)
-    raise RuntimeError(f"transformers serve not healthy after {timeout:.0f} s; see {log_path}")
+    wait_healthy(proc, lambda: healthy(url), timeout, "transformers serve", log_path)
+    _state_file(ws).write_text(json.dumps(info))
+    return {**info, "healthy": True}
 
 
 def stop(ws: Workspace, timeout: float = 30.0) -> bool:
     info = status(ws)
     if info is None:
         return False
-    try:
-        os.killpg(info["pid"], signal.SIGTERM)
-    except OSError:
-        pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(info["pid"], 0)
-        except OSError:
-            break
-        time.sleep(0.2)
-    else:
-        os.killpg(info["pid"], signal.SIGKILL)
+    stop_group(info["pid"], timeout)
     _state_file(ws).unlink(missing_ok=True)
     return True

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,34 +74,52 @@ def start(ws: Workspace, port: int = 4200, timeout: float = 120.0) -> dict[str, 
     api_url = f"http://{HOST}:{port}/api"
     info = {"pid": proc.pid, "port": port, "api_url": api_url,
             "ui_url": f"http://{HOST}:{port}", "log": str(ws.state / "prefect-server.log")}
+    wait_healthy(proc, lambda: healthy(api_url), timeout, "prefect server", Path(info["log"]))
+    _state_file(ws).write_text(json.dumps(info))
+    return info
+
+
+def wait_healthy(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float, what: str,
+                 log: Path) -> None:
+    """Poll `ready` until it holds; a process that exits first, or a timeout (its process group
+    then stopped), raises one line naming the log (with its last lines when it exited)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited with {proc.returncode}; see {info['log']}")
-        if healthy(api_url):
-            _state_file(ws).write_text(json.dumps(info))
-            return info
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:] \
+                if log.is_file() else []
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {' | '.join(tail)} "
+                               f"(log: {log})")
+        if ready():
+            return
         time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError(f"prefect server not healthy after {timeout:.0f} s; see {info['log']}")
+    stop_group(proc.pid, 10.0)
+    raise RuntimeError(f"{what} not healthy after {timeout:.0f} s; see {log}")
+
+
+def stop_group(pid: int, timeout: float) -> None:
+    """SIGTERM the process group led by `pid`, wait up to `timeout`, then SIGKILL it."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except OSError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def stop(ws: Workspace, timeout: float = 30.0) -> bool:
     info = status(ws)
     if info is None:
         return False
-    try:
-        os.killpg(info["pid"], signal.SIGTERM)
-    except OSError:
-        pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(info["pid"], 0)
-        except OSError:
-            break
-        time.sleep(0.2)
-    else:
-        os.killpg(info["pid"], signal.SIGKILL)
+    stop_group(info["pid"], timeout)
     _state_file(ws).unlink(missing_ok=True)
     return True
