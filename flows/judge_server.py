@@ -12,11 +12,11 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from flows.server import HOST, _free_port, stop_group, wait_healthy
+from flows.server import HOST, _free_port, live_state, stop_group, wait_healthy
+from flows.server import healthy as server_healthy
 from flows.workspace import QUIET_ENV, Workspace
 from tasks import layout
 
@@ -28,26 +28,14 @@ def _state_file(ws: Workspace) -> Path:
 
 
 def healthy(base_url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(base_url.removesuffix("/v1") + "/health",
-                                    timeout=timeout) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    """`transformers serve` answers /health beside /v1."""
+    return server_healthy(base_url.removesuffix("/v1"), timeout)
 
 
 def status(ws: Workspace) -> dict[str, Any] | None:
     """The running server's pid, URL, model and log, or None."""
-    path = _state_file(ws)
-    if not path.is_file():
-        return None
-    info = json.loads(path.read_text())
-    try:
-        os.kill(info["pid"], 0)
-    except OSError:
-        path.unlink(missing_ok=True)
-        return None
-    return {**info, "healthy": healthy(info["url"])}
+    info = live_state(_state_file(ws))
+    return None if info is None else {**info, "healthy": healthy(info["url"])}
 
 
 def default_model(ws: Workspace) -> Path:

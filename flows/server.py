@@ -43,9 +43,9 @@ def healthy(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def status(ws: Workspace) -> dict[str, Any] | None:
-    """The running server's pid and API URL, or None."""
-    path = _state_file(ws)
+def live_state(path: Path) -> dict[str, Any] | None:
+    """A background server's state file (pid, URLs, log) if its process is alive; a stale
+    file (the process is gone) is removed."""
     if not path.is_file():
         return None
     info = json.loads(path.read_text())
@@ -53,6 +53,14 @@ def status(ws: Workspace) -> dict[str, Any] | None:
         os.kill(info["pid"], 0)
     except OSError:
         path.unlink(missing_ok=True)
+        return None
+    return info
+
+
+def status(ws: Workspace) -> dict[str, Any] | None:
+    """The running server's pid and API URL, or None."""
+    info = live_state(_state_file(ws))
+    if info is None:
         return None
     return info if healthy(info["api_url"]) else {**info, "healthy": False}
 
