@@ -75,9 +75,10 @@ def test_report_has_per_iteration_metrics(tiny_run):
     for it in ITERATIONS:
         m = report[str(it)]
         for key in ("eval/win_rate", "eval/kl", "eval/rm_win_rate", "rm/accuracy",
-                    "judge/n_pairs", "update/steps"):
+                    "judge/n_pairs", "update/steps", "eval/review_rate", "eval/ref_review_rate"):
             assert key in m, (it, key)
         assert 0.0 <= m["eval/win_rate"] <= 1.0
+        assert 0.0 <= m["eval/review_rate"] <= 1.0 and 0.0 <= m["eval/ref_review_rate"] <= 1.0
 
 
 def test_one_git_commit_per_iteration(tiny_run):
