@@ -7,7 +7,8 @@ samples.
 The labelled set holds reference and policy responses from default-profile runs, each labelled
 by a person (`label`: review | correspondence | other; `side`, `source` say where it came
 from; `split`: dev rows were read while the check was built and its threshold chosen on them,
-test rows were labelled after it was fixed and are the honest estimate). `correspondence` is what the check must catch: a letter, an assistant's reply, a request
+test rows were labelled after it was fixed and are the honest estimate). `correspondence` is
+what the check must catch: a letter, an assistant's reply, a request
 for the reader's opinion, a thank-you note. `other` is neither (a biography, a list, noise): the
 on-topic and fluency checks are the ones meant for it, so it is reported apart.
 
@@ -64,8 +65,8 @@ def main() -> None:
     args = ap.parse_args()
     p = load_params(str(args.params)).evaluate.gold
     rows = [rec for _, rec in jsonl.read(str(args.labels))]
-    counts = {f"{split}/{side}/{label}": sum(1 for r in rows if (r["split"], r["side"],
-                                                                   r["label"]) == (split, side, label))
+    counts = {f"{split}/{side}/{label}":
+              sum(1 for r in rows if (r["split"], r["side"], r["label"]) == (split, side, label))
               for split in ("dev", "test") for side in ("reference", "policy")
               for label in ("review", "correspondence", "other")}
     scores = GoldEvaluator(p, ROOT).register_check.register([r["text"] for r in rows])

@@ -14,9 +14,9 @@ optimise against it. It asks three questions of each response to "review movie X
   hand-written sentences, calibrated on hand-labelled samples: `benchmarks/calibrate_genre.py`).
 
 The rule (pairwise, policy vs reference on the same prompt): a response is *valid* when it is
-on-topic, fluent and a review. Exactly one valid: it wins. Neither: tie. Both: the higher AFINN sentiment
-wins, equal sentiment is a tie. A thank-you note full of gushing words, or a letter that names the
-film, loses to a lukewarm review of it.
+on-topic, fluent and a review. Exactly one valid: it wins. Neither: tie. Both: the higher AFINN
+sentiment wins, equal sentiment is a tie. A thank-you note full of gushing words, or a letter
+that names the film, loses to a lukewarm review of it.
 """
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ class GoldEvaluator:
 
     @cached_property
     def register_check(self) -> RegisterClassifier:
-        return RegisterClassifier.fit(self.embedder.embed, self.root / self.p.register_examples_file,
+        return RegisterClassifier.fit(self.embedder.embed,
+                                      self.root / self.p.register_examples_file,
                                       self.p.register_l2)
 
     def sentiment(self, texts: Sequence[str]) -> list[float]:

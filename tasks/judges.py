@@ -156,7 +156,8 @@ _CORRESPONDENCE = re.compile(r"""
     ^\W*(dear|hi|hello|hey|greetings)\b
   | \b(best|kind|warm)\ regards\b | \bsincerely\b | \byours\ truly\b | \[your\ name\]
   | \bthank(s|\ you)\b | \bgrateful\b | \bappreciate\ (you|your|it)\b
-  | \b(i'm|i\ am)\ (so\ )?(glad|happy|thrilled|excited|delighted|sorry)\ (you|to\ (help|share|hear|assist))
+  | \b(i'm|i\ am)\ (so\ )?(glad|happy|thrilled|excited|delighted|sorry)
+        \ (you|to\ (help|share|hear|assist))
   | \b(i'm|i\ am)\ (so\ |extremely\ )?(glad|happy|thrilled|excited|delighted|proud|pleased)
         \ to\ (announce|be|have|introduce|report\ that\ i)
   | \bannounc(e|es|ed|ing)\b
@@ -164,7 +165,8 @@ _CORRESPONDENCE = re.compile(r"""
   | \b(i'm|i\ am)\ (reviewing|writing|working\ on)\b
   | \bhugging\ ?face\b | \bsmollm\b
   | \bhope\ (this|you|my)\b | \bfinds\ you\b
-  | \blet\ me\ know\b | \btell\ me\b | \byour\ (thoughts|opinion|recommendation|message|blog|question)
+  | \blet\ me\ know\b | \btell\ me\b
+  | \byour\ (thoughts|opinion|recommendation|message|blog|question)
   | \bwhat\ do\ you\ think\b | \bfeel\ free\b | \bhappy\ to\ help\b | \bcan\ i\ help\b
   | \bas\ an\ ai\b | \bai\ (language\ )?(model|assistant|system)\b
   | \byou[^.!?]*\?
