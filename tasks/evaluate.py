@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> None:
                           else token_logprobs(ref, refs, pad))
     del policy
     # 3. judge, gold and reward model verdicts
-    metrics, verdicts = compare(make_judge(p.judge, root), pol, refs, p.evaluate.bootstrap,
-                                p.seed)
+    judge = make_judge(p.judge, root)          # built once: an llm judge loads a model
+    metrics, verdicts = compare(judge, pol, refs, p.evaluate.bootstrap, p.seed)
     gold = GoldEvaluator(p.evaluate.gold, root)
     g_metrics, g_verdicts, g_pol, g_ref = gold_compare(
         gold, pol, refs, subjects, mean_nll(ref_on_pol, mask), mean_nll(ref_logp, ref_mask),
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     # 4. Best-of-N: the reference reranked by this iteration's RM, on the first prompts
     bon = p.evaluate.best_of_n
     if bon.n > 0:
-        metrics.update(evaluate_best_of_n(p, root, rm, gold, refs, subjects, pad))
+        metrics.update(evaluate_best_of_n(p, root, rm, gold, judge, refs, subjects, pad))
     metrics["eval/judge_gold_gap"] = metrics["eval/win_rate"] - metrics["eval/gold_win_rate"]
     metrics.update(hacking_flags(metrics, p.evaluate.monitors))
     jsonl.write(root / layout.eval_samples(it), (
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def evaluate_best_of_n(p: Params, root: Path, rm: torch.nn.Module, gold: GoldEvaluator,
-                       refs: Sequence[Rollout], subjects: Sequence[str],
+                       judge: PointwiseJudge, refs: Sequence[Rollout], subjects: Sequence[str],
                        pad: int) -> dict[str, float]:
     bon = p.evaluate.best_of_n
     path = str(root / layout.BEST_OF_N_SAMPLES)
@@ -278,8 +278,7 @@ def evaluate_best_of_n(p: Params, root: Path, rm: torch.nn.Module, gold: GoldEva
         raise DataError(f"{path}: Best-of-N candidates do not match the held-out prompts; "
                         f"rerun reference_samples")
     picked = best_of_n(rm, candidates, bon.n, pad)
-    judge_m, _ = compare(make_judge(p.judge, root), picked, refs[:n_prompts], p.evaluate.bootstrap,
-                         p.seed)
+    judge_m, _ = compare(judge, picked, refs[:n_prompts], p.evaluate.bootstrap, p.seed)
     nll = [mean_nll(*padded([s.logprobs]))[0] for s in picked]
     ref_nll = [mean_nll(*padded([s.logprobs]))[0] for s in refs[:n_prompts]]
     g_m, _, g_pol, _ = gold_compare(gold, picked, refs[:n_prompts], subjects[:n_prompts], nll,
