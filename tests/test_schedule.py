@@ -153,6 +153,10 @@ class Served:
             return client.read_flow_runs(deployment_filter=DeploymentFilter(
                 id=DeploymentFilterId(any_=[deployment_id])))
 
+    def states(self, flow_run_id: object) -> list:
+        with self.client() as client:
+            return client.read_flow_run_states(flow_run_id)
+
     def parent_flow_run(self, flow_run_id: str) -> object:
         """The flow run a subflow run was called from."""
         with self.client() as client:
@@ -219,6 +223,9 @@ def test_served_fires_run_a_tick_and_cancel_the_overlapping_one(ws, tmp_path):
                                 ).search_model_versions("name = 'alignloop-policy'")
         v3 = next((v for v in versions if str(v.version) == "3"), None)
         registered_by = v3 and served.parent_flow_run(v3.tags["prefect_flow_run_id"])
+        took_slot = min((s.timestamp for r in runs if r.state_type == StateType.COMPLETED
+                         for s in served.states(r.id) if s.type == StateType.PENDING),
+                        default=None)
         served = Served(ws, api_url, env, tmp_path / "cron.log", "--cron", "0 3 * * 1",
                         "--overlap", "wait")
         cron = served.deployment(until=lambda d: [getattr(s.schedule, "cron", None)
@@ -238,7 +245,10 @@ def test_served_fires_run_a_tick_and_cancel_the_overlapping_one(ws, tmp_path):
     assert len(ran) == 1 and cancelled, (states, out)
     first = ran[0]
     assert first.state_name == "Completed", states
-    assert any(first.start_time < r.state.timestamp < first.end_time for r in cancelled)
+    # the fire that found the slot taken: after the first run took it (PENDING, which comes
+    # before its RUNNING by a process start and the flow's imports) and before it ended
+    assert any(took_slot < r.state.timestamp < first.end_time for r in cancelled), \
+        (took_slot, first.end_time, [r.state.timestamp for r in cancelled])
     assert {r.state.message for r in cancelled} == {"Deployment concurrency limit reached."}
     assert dep.global_concurrency_limit.limit == 1
     assert dep.concurrency_options.collision_strategy == ConcurrencyLimitStrategy.CANCEL_NEW
