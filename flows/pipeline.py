@@ -137,7 +137,12 @@ def record_iteration(root: str, iteration: int, runs: list[dag.StageRun],
 
 def judge_tags(jp: JudgeParams, root: Path) -> dict[str, str]:
     """The judge as registry tags: kind:version for the lexicons (as before); for pairwise
-    judges kind:model (or kind:served, the server's one model), its template and its md5."""
+    judges kind:model (or kind:served, the server's one model), its template and its md5; for
+    a reward-model judge its directory and weights md5."""
+    if jp.kind == "reward_model":
+        from tasks.judge_rm import rm_md5
+        model = (root / Path(jp.model).expanduser()).resolve()
+        return {"judge": f"reward_model:{jp.model}", "judge_model_md5": rm_md5(model)}
     if jp.kind not in PAIRWISE_KINDS:
         return {"judge": f"{jp.kind}:{jp.version}"}
     return {"judge": f"{jp.kind}:{jp.model or 'served'}", "judge_template": jp.template,

@@ -17,7 +17,7 @@ import random
 from collections.abc import Sequence
 from itertools import combinations, groupby
 
-from tasks import jsonl, layout, stage
+from tasks import audit, jsonl, layout, stage
 from tasks.judges import (LexiconJudge, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
                           judge_pair, judge_pairs, make_judge, position_flipped, verdict_rates)
 from tasks.params import JudgeParams
@@ -195,6 +195,24 @@ def lexicon_agreement(jp: JudgeParams, clear: Sequence[tuple[Prompt, str, str]],
             f"{prefix}lexicon_agreement_n": float(len(decided))}
 
 
+def audit_agreement(judge: PairwiseJudge, pool: Sequence[PreferencePair],
+                    labels: dict[str, audit.AuditLabel], prefix: str) -> dict[str, float]:
+    """How often the judge sides with the people who audited earlier pairs: each pool pair
+    with a `chosen_ok` or `swap` label (a `drop` has no side) is shown to the judge in both
+    orders; over those it decides, the rate at which it prefers the person's winner. Empty
+    when nothing is labelled."""
+    audited = [(p, labels[pid].verdict) for p in pool for pid in [audit.pair_id(p)]
+               if pid in labels and labels[pid].verdict != "drop"]
+    if not audited:
+        return {}
+    said = judge_pairs(judge, [(p.prompt, p.chosen, p.rejected) for p, _ in audited])
+    decided = [(v == "A") == (human == "chosen_ok")
+               for (v, _, _), (_, human) in zip(said, audited) if v in ("A", "B")]
+    return {f"{prefix}audit_agreement": sum(decided) / max(len(decided), 1),
+            f"{prefix}audit_agreement_n": float(len(decided)),
+            f"{prefix}audit_labelled_n": float(len(audited))}
+
+
 def judge_all(judge: PairwiseJudge, groups: Sequence[Group], source: str, jp: JudgeParams
               ) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, float]]:
     """Pointwise judges: `judge_groups` (best vs worst, margin pairs), exactly as before;
@@ -220,9 +238,13 @@ def main(argv: list[str] | None = None) -> None:
     rollouts = [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
     groups = rollout_groups(rollouts, it)
     jp = args.params.judge
-    pairs, new, metrics = judge_all(make_judge(jp, root), groups, f"iter_{it}", jp)
+    judge = make_judge(jp, root)
+    pairs, new, metrics = judge_all(judge, groups, f"iter_{it}", jp)
     pool_path = str(root / layout.pairs_pool(it - 1))
     pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
+    labels_path = root / layout.AUDIT_LABELS
+    audit.ensure_labels_file(labels_path)
+    metrics.update(audit_agreement(judge, pool, audit.parse_labels(labels_path), "judge/"))
     jsonl.write(root / layout.pairs(it), (p.to_record() for p in pairs))
     jsonl.write(root / layout.pairs_pool(it), (p.to_record() for p in pool + new))
     metrics["judge/pool_size"] = float(len(pool) + len(new))

@@ -5,7 +5,8 @@ A judge compares two responses to one prompt and returns a Verdict: "A", "B", "t
 mind with the order gets "tie", never a coin flip. Judges that also score single responses
 (pointwise judges) let the pipeline pick best-vs-worst of K samples.
 
-Pointwise kinds (the lexicons) register in `JUDGES`; the pairwise LLM judges (`llm`: a local
+Pointwise kinds (the lexicons) register in `JUDGES`, and `reward_model` (a trained RM's scores,
+tasks/judge_rm.py) is pointwise too; the pairwise LLM judges (`llm`: a local
 causal LM, `http`: an OpenAI-compatible server) are built by tasks/judge_factory.py and judged
 many comparisons at a time (`judge_pairs`).
 """
@@ -215,10 +216,16 @@ PAIRWISE_KINDS = ("llm", "http")
 
 def make_judge(p: JudgeParams, root: Path | None = None) -> PointwiseJudge:
     """The configured judge. Pairwise kinds (llm, http) read their template and keep their
-    verdict cache under the workspace `root` (they have no `score`: see `is_pointwise`)."""
+    verdict cache under the workspace `root` (they have no `score`: see `is_pointwise`);
+    `reward_model` and `llm` find `judge.model` relative to it."""
+    root = Path(".") if root is None else root
     if p.kind in PAIRWISE_KINDS:
         from tasks.judge_factory import make_pairwise_judge
-        return make_pairwise_judge(p, Path(".") if root is None else root)  # type: ignore[return-value]
+        return make_pairwise_judge(p, root)  # type: ignore[return-value]
+    if p.kind == "reward_model":
+        from tasks.judge_rm import RewardModelJudge
+        return RewardModelJudge((root / Path(p.model).expanduser()).resolve(), p.tie_margin,
+                                p.min_words, p.max_length)
     return JUDGES[p.kind](p)
 
 

@@ -42,7 +42,12 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 def load_tokenizer(path: str | Path) -> transformers.PreTrainedTokenizerBase:
-    tok = transformers.AutoTokenizer.from_pretrained(check_model_dir(path))
+    """The tokenizer saved in a model directory (or beside an ensemble's member directories,
+    which has a tokenizer_config.json and no config.json of its own)."""
+    path = Path(path)
+    if not (path / "tokenizer_config.json").is_file():
+        check_model_dir(path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

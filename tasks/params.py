@@ -76,8 +76,10 @@ class OffpolicyParams:
 
 @dataclass(frozen=True)
 class JudgeParams:
-    kind: Literal["lexicon", "lexicon_topic", "lexicon_review", "llm", "http"] = "lexicon"
-    version: str = "vader-v1"      # lexicon kinds: their identity (llm/http: model+template md5)
+    kind: Literal["lexicon", "lexicon_topic", "lexicon_review", "llm", "http",
+                  "reward_model"] = "lexicon"
+    version: str = "vader-v1"      # lexicon kinds: their identity (llm/http: model+template md5,
+                                   #   reward_model: its directory name and weights md5)
     tie_margin: float = 0.05       # |score_a - score_b| below this is a tie
     min_words: int = 1             # responses with fewer words are judged invalid
     off_topic_penalty: float = 1.0  # lexicon_topic: subtracted when no title word is mentioned
@@ -87,7 +89,9 @@ class JudgeParams:
     pool_margin: float = 0.2       # all: score gap a pair needs (at least tie_margin)
     template: str = "params/judges/pairwise_review.txt"  # llm/http: the versioned prompt
     model: str = ""                # llm: a local HF model directory; http: the model name ("" =
-                                   #   the one the server lists first in /v1/models)
+                                   #   the one the server lists first in /v1/models);
+                                   #   reward_model: a reward-model directory
+    max_length: int = 512          # reward_model: tokens kept of the prompt and of the response
     decoding: Literal["greedy", "logprob"] = "greedy"   # llm: generate, or argmax of verdict log-probs
     max_new_tokens: int = 4        # llm greedy / http: reply length cap (a verdict is one word)
     comparisons_per_prompt: int = 4  # llm/http: seeded pairs of the K samples compared per prompt
@@ -489,8 +493,11 @@ def _check_judge(p: Params, b: _Builder) -> None:
     j = p.judge
     if j.max_retries < 0 or j.backoff_s < 0:
         b.fail(("judge", "max_retries" if j.max_retries < 0 else "backoff_s"), "must be >= 0")
-    if j.kind == "llm" and not j.model:
-        b.fail(("judge", "model"), "judge.kind llm needs judge.model (a local model directory)")
+    if j.kind in ("llm", "reward_model") and not j.model:
+        b.fail(("judge", "model"), f"judge.kind {j.kind} needs judge.model (a local model "
+               "directory)")
+    if j.max_length < 1:
+        b.fail(("judge", "max_length"), "must be >= 1")
     if j.kind == "http" and j.decoding != "greedy":
         b.fail(("judge", "decoding"), "the http judge decodes greedily (temperature 0); "
                "logprob is for judge.kind: llm")

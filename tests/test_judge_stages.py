@@ -161,3 +161,98 @@ def test_http_judge_rerun_is_answered_from_the_cache(http_workspace: Path) -> No
     assert Consistent.requests == asked and m["judge/requests"] == 0
     assert m["judge/cache_hits"] == m["judge/comparisons"] > 0 and m["judge/cache_misses"] == 0
     assert (http_workspace / layout.pairs(1)).read_bytes() == before
+
+
+def test_http_judge_reports_its_agreement_with_the_audit_labels(http_workspace: Path) -> None:
+    """People audited some earlier pairs (audit/labels.jsonl): the judge stage shows each one to
+    the judge in both orders and reports how often it sides with the person. The server prefers
+    the shorter response, so its agreement is known exactly from the labels."""
+    from tasks.audit import pair_id
+    from tasks.records import parse_pair
+    path = http_workspace / layout.pairs_pool(0)
+    pool = [parse_pair(r, str(path), n, "unknown") for n, r in jsonl.read(path)]
+    sided = [p for p in pool if len(p.chosen) != len(p.rejected)]
+    assert len(sided) >= 4
+    verdicts = ["chosen_ok", "swap", "drop", "chosen_ok"] * len(sided)
+    labels = [{"pair_id": pair_id(p), "verdict": v} for p, v in zip(sided, verdicts)]
+    (http_workspace / layout.AUDIT_LABELS).write_text(
+        "".join(json.dumps(x) + "\n" for x in labels))
+    run(judge.main, http_workspace, 1)
+    m = json.loads((http_workspace / layout.metrics(1, "judge")).read_text())
+    kept = [(p, v) for p, v in zip(sided, verdicts) if v != "drop"]
+    agree = [(len(p.chosen) < len(p.rejected)) == (v == "chosen_ok") for p, v in kept]
+    assert m["judge/audit_labelled_n"] == len(kept) == m["judge/audit_agreement_n"]
+    assert m["judge/audit_agreement"] == pytest.approx(sum(agree) / len(agree))
+    assert 0 < m["judge/audit_agreement"] < 1
+
+
+@pytest.fixture(scope="module")
+def user_rm(base: Path) -> Path:
+    """A user's own reward model from elsewhere: an HF sequence-classification model with one
+    label and its tokenizer, outside the workspace (here the tiny backbone with a seeded head)."""
+    import torch
+    import transformers
+    out = base.parent / "user-rm"
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        base / layout.policy(0), num_labels=1)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(3))
+    model.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(base / layout.policy(0)).save_pretrained(out)
+    return out
+
+
+def test_reward_model_judge_scores_as_the_models_own_forward(base: Path, user_rm: Path) -> None:
+    """The judge's reward of (prompt, response) is the sequence-classification model's own
+    output on the chat-rendered prompt followed by the response and EOS."""
+    import torch
+    import transformers
+
+    from tasks import lm
+    from tasks.judge_rm import RewardModelJudge
+    from tasks.records import parse_rollout
+    path = base / layout.rollouts(1)
+    rollouts = [parse_rollout(r, str(path), n) for n, r in jsonl.read(path)][:6]
+    judge = RewardModelJudge(user_rm, 0.05, 1, 512)
+    got = judge.score([r.prompt for r in rollouts], [r.text for r in rollouts])
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(user_rm).eval()
+    tok = lm.load_tokenizer(user_rm)
+    for r, g in zip(rollouts, got):
+        ids = lm.render_prompt(tok, r.prompt, 512) + lm.encode_response(tok, r.text, 512)
+        with torch.no_grad():
+            want = float(model(torch.tensor([ids])).logits[0, 0])
+        assert g == pytest.approx(want, abs=1e-4)
+    assert len(set(got)) == len(got)
+
+
+def test_reward_model_judge_stage_pairs_best_against_worst(base: Path, user_rm: Path) -> None:
+    """judge.kind: reward_model through the judge stage: per prompt the highest-reward sample is
+    chosen over the lowest; the pairs name the model and its weights' md5."""
+    from tasks.judge_rm import RewardModelJudge, rm_md5
+    from tasks.records import parse_rollout
+    root = base.parent / "rm-judge"
+    shutil.copytree(base, root)
+    set_judge(root, kind="reward_model", model=str(user_rm))
+    run(judge.main, root, 1)
+    pairs = [r for _, r in jsonl.read(root / layout.pairs(1))]
+    path = root / layout.rollouts(1)
+    rollouts = [parse_rollout(r, str(path), n) for n, r in jsonl.read(path)]
+    scorer = RewardModelJudge(user_rm, 0.05, 1, 512)
+    by_prompt: dict[str, list[tuple[float, str]]] = {}
+    for r, s in zip(rollouts, scorer.score([r.prompt for r in rollouts],
+                                           [r.text for r in rollouts])):
+        by_prompt.setdefault(r.prompt_id, []).append((s, r.text))
+    assert len(pairs) == len(by_prompt)
+    for p in pairs:
+        scored = sorted(by_prompt[p["meta"]["prompt_id"]])
+        assert (p["chosen"], p["rejected"]) == (scored[-1][1], scored[0][1])
+        assert p["meta"]["judge"] == f"reward_model:user-rm@{rm_md5(user_rm)}"
+    m = json.loads((root / layout.metrics(1, "judge")).read_text())
+    assert m["judge/n_pairs"] == len(pairs) and m["judge/rate_A"] == 1.0
+
+
+def test_reward_model_judge_refuses_a_model_that_is_not_one(base: Path) -> None:
+    from tasks.lm import ModelError
+    from tasks.judge_rm import RewardModelJudge
+    with pytest.raises(ModelError, match="not a reward model"):
+        RewardModelJudge(base / layout.policy(0), 0.05, 1, 512)

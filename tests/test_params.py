@@ -97,7 +97,7 @@ def test_float_for_int_is_a_wrong_type(tmp_path: Path) -> None:
 def test_bad_literal(tmp_path: Path) -> None:
     path = write(tmp_path, BASE + "judge:\n  kind: gpt\n")
     msg = load_error(path)
-    assert msg.startswith(f"{path}:12: judge.kind: expected one of ['lexicon', 'lexicon_topic', 'lexicon_review', 'llm', 'http']"), msg
+    assert msg.startswith(f"{path}:12: judge.kind: expected one of ['lexicon', 'lexicon_topic', 'lexicon_review', 'llm', 'http', 'reward_model'], got 'gpt'"), msg
 
 
 def test_missing_iteration_item_key(tmp_path: Path) -> None:
@@ -195,6 +195,18 @@ def test_ppo_profile_differs_from_default_only_in_update_and_its_bar() -> None:
         {k: v for k, v in base.items() if k not in ("update", "targets")}
     assert {k for k in ppo["targets"] if ppo["targets"][k] != base["targets"][k]} == \
         {"min_gold_win_rate", "min_gold_win_rate_ci_low"}
+
+
+def test_http_judge_profile_differs_from_default_only_in_the_judge() -> None:
+    """default-http-judge: the default loop labelled over HTTP, never a copy that drifted."""
+    base = to_dict(load_params(PARAMS_DIR / "default.yaml"))
+    http = to_dict(load_params(PARAMS_DIR / "default-http-judge.yaml"))
+    assert http["judge"]["kind"] == "http" and base["judge"]["kind"] == "lexicon_review"
+    assert {k: v for k, v in http.items() if k != "judge"} == \
+        {k: v for k, v in base.items() if k != "judge"}
+    assert (PARAMS_DIR / "default-http-judge.yaml").read_text().split("\njudge:\n")[1] \
+        .split("\n\n", 1)[1] == (PARAMS_DIR / "default.yaml").read_text() \
+        .split("\njudge:\n")[1].split("\n\n", 1)[1]      # the same text after the judge
 
 
 # --- sizes, the import path, the off-policy mix ----------------------------------------------
