@@ -1,7 +1,11 @@
 """Direct Preference Optimisation on preference pairs: the training loop around tasks/losses.py.
 
 The loss is `update.dpo.loss`: sigmoid (DPO), ipo (on per-token mean log-ratios) or cdpo
-(label-smoothed DPO). Pairs are on-policy (best vs worst of the current policy's K samples, by
+(label-smoothed DPO), plus with `sft_weight` w > 0 an SFT anchor: w times the per-token NLL
+of the chosen response (RPO, Pang et al. 2024, "Iterative Reasoning Preference Optimization"),
+which keeps pulling toward the judge's best sample once the preference term has saturated on
+a small pair set (DPO alone drives its loss to ~0 on 48 pairs and can then drift into text the
+reference finds unlikely). Pairs are on-policy (best vs worst of the current policy's K samples, by
 the judge or by the reward model, `rm_best_vs_worst`), optionally mixed with a weighted share of
 off-policy pairs from the previous pool (`offpolicy_indices`).
 """
@@ -63,7 +67,7 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
         ref_c, ref_r = reference_logprobs(ref, pairs, pad_id, p.batch_size, mean_lp)  # (N,)
     loss_fn = DPO_LOSSES[p.loss]
     opt = torch.optim.AdamW(policy.parameters(), lr=p.lr, weight_decay=0.0)
-    losses, accs, margins = [], [], []
+    losses, accs, margins, nlls = [], [], [], []
     pg = progress.track(p.epochs * -(-len(pairs) // p.batch_size), "steps", "pairs")
     policy.train()
     for _ in range(p.epochs):
@@ -74,6 +78,10 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
                 pi_c, pi_r = _pair_logprobs(policy, [pairs[i] for i in idx.tolist()], pad_id,
                                             mean_lp)
             per_pair = loss_fn(pi_c, pi_r, ref_c[idx], ref_r[idx], p.beta, p.label_smoothing)
+            nll = -pi_c if mean_lp else -pi_c / torch.tensor(
+                [max(len(pairs[i].chosen_ids), 1) for i in idx.tolist()], dtype=pi_c.dtype)
+            if p.sft_weight > 0:
+                per_pair = per_pair + p.sft_weight * nll                       # (B,)
             loss = (w[idx] * per_pair).mean()
             opt.zero_grad()
             loss.backward()
@@ -83,6 +91,7 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
                 r_r = dpo_implicit_rewards(pi_r, ref_r[idx], p.beta)
                 accs.append(float((r_c > r_r).float().mean()))
                 margins.append(float((r_c - r_r).mean()))
+                nlls.append(float(nll.mean()))
             losses.append(loss.item())
             pg.step(1, work=len(idx))
     pg.close()
@@ -91,7 +100,8 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
             "update/loss_first": losses[0], "update/loss_last": losses[-1],
             "update/reward_accuracy_last": accs[-1], "update/reward_margin_last": margins[-1],
             "update/reward_accuracy_mean": sum(accs) / len(accs),
-            "update/reward_margin_mean": sum(margins) / len(margins)}
+            "update/reward_margin_mean": sum(margins) / len(margins),
+            "update/chosen_nll_first": nlls[0], "update/chosen_nll_last": nlls[-1]}
 
 
 def rm_best_vs_worst(rm: RewardModel, rollouts: Sequence[Rollout], pad_id: int,

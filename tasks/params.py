@@ -135,6 +135,7 @@ class DPOParams:
     epochs: int = 1
     batch_size: int = 8
     label_smoothing: float = 0.0    # cdpo only: assumed label-flip rate eps, in [0, 0.5)
+    sft_weight: float = 0.0         # + w * per-token NLL of the chosen response (an SFT anchor)
     pair_source: Literal["judge", "rm"] = "judge"   # who picks best vs worst of the K rollouts
     offpolicy_mix: float = 0.0      # fraction of training pairs drawn from the previous pool
     offpolicy_weight: float = 1.0   # loss weight of those off-policy pairs
@@ -512,6 +513,8 @@ def _check_dpo_and_rm(p: Params, b: _Builder) -> None:
         b.fail(("update", "dpo", "label_smoothing"), "must be in [0, 0.5)")
     if d.label_smoothing > 0 and d.loss != "cdpo":
         b.fail(("update", "dpo", "label_smoothing"), f"only used by loss: cdpo, not {d.loss}")
+    if d.sft_weight < 0:
+        b.fail(("update", "dpo", "sft_weight"), f"must be >= 0, got {d.sft_weight}")
     if not 0.0 <= d.offpolicy_mix < 1.0:
         b.fail(("update", "dpo", "offpolicy_mix"), "must be in [0, 1)")
     if d.offpolicy_weight < 0:

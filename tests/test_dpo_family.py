@@ -157,6 +157,28 @@ def test_cdpo_update(ws: Path) -> None:
     assert 0.0 <= m["update/reward_accuracy_last"] <= 1.0
 
 
+def test_sft_anchor_adds_the_chosen_responses_per_token_nll(ws: Path) -> None:
+    """update.dpo.sft_weight w: the loss is DPO's plus w times the per-token NLL of the chosen
+    response. Iteration 1 starts at the reference (DPO's first loss is log 2), and one batch
+    holds every pair, so the first loss is known exactly from the initial policy."""
+    from tasks.params import load_params
+    set_params(ws / layout.PARAMS_FILE, update__dpo__sft_weight=0.5, update__dpo__batch_size=64)
+    run_stage(update.main, ws, 1)
+    m = metrics(ws, 1, "update")
+    p = load_params(ws / layout.PARAMS_FILE)
+    policy, tok = lm.load_causal_lm(ws / layout.policy(0)), lm.load_tokenizer(ws / layout.policy(0))
+    path = str(ws / layout.pairs(1))
+    pairs = [parse_pair(rec, path, n, "?") for n, rec in jsonl.read(path)]
+    enc = reward_model.encode_pairs(tok, pairs, p.model.max_prompt_tokens, p.update.max_length)
+    with torch.no_grad():
+        s_c, _ = _pair_logprobs(policy, enc, tok.pad_token_id)
+    nll = float((-s_c / t(*[len(e.chosen_ids) for e in enc]).float()).mean())
+    assert m["update/steps"] == p.update.dpo.epochs and nll > 1.0
+    assert m["update/chosen_nll_first"] == pytest.approx(nll, rel=1e-4)
+    assert m["update/loss_first"] == pytest.approx(math.log(2) + 0.5 * nll, rel=1e-4)
+    assert m["update/chosen_nll_last"] < m["update/chosen_nll_first"]
+
+
 def test_ipo_sees_per_token_mean_logprobs(ws: Path) -> None:
     policy = lm.load_causal_lm(ws / layout.policy(0))
     tok = lm.load_tokenizer(ws / layout.policy(0))
