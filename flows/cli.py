@@ -245,12 +245,49 @@ def _api_url(ws: wsmod.Workspace) -> str:
     return url
 
 
+def _pool_server(ws: wsmod.Workspace) -> str:
+    """The Prefect server a work pool lives on: PREFECT_API_URL, else this workspace's running
+    standalone server. None is started here: a worker elsewhere must be told its URL."""
+    from flows import server
+    url = os.environ.get("PREFECT_API_URL") or (server.status(ws) or {}).get("api_url")
+    if not url:
+        raise InputError("a work pool needs a Prefect server (Prefect's temporary one cannot "
+                         "hand runs to a worker): run `alignloop server start` or export "
+                         "PREFECT_API_URL")
+    if not server.healthy(url):
+        raise InputError(f"no Prefect server answers at {url} (PREFECT_API_URL)")
+    os.environ["PREFECT_API_URL"] = url
+    return url
+
+
+def _deploy_to_pool(ws: wsmod.Workspace, args: argparse.Namespace, when: str) -> int:
+    url = _pool_server(ws)
+    quiet_prefect()
+    import httpx
+    from prefect.exceptions import PrefectException
+
+    from flows.schedule import deploy_to_pool, deployment_name
+    try:
+        kind = deploy_to_pool(ws, args.work_pool, args.cron, args.overlap,
+                              interval=args.interval)
+    except (PrefectException, httpx.HTTPError, ValueError) as e:
+        raise InputError(f"deploying to work pool {args.work_pool} failed: "
+                         f"{str(e).strip().splitlines()[0]}") from None
+    print(f"deployed alignloop-tick/{deployment_name(ws)} to work pool {args.work_pool} "
+          f"({kind}) on {when} against {url} (overlapping ticks: {args.overlap})")
+    print(f"start a worker where {ws.root} and {wsmod.PROJECT_ROOT} exist at these paths:\n"
+          f"  PREFECT_API_URL={url} prefect worker start --pool {args.work_pool}")
+    return 0
+
+
 def cmd_schedule(args: argparse.Namespace) -> int:
     ws = _existing(args.workspace)
+    when = f"cron '{args.cron}'" if args.cron else f"every {args.interval:g} s"
+    if args.work_pool:
+        return _deploy_to_pool(ws, args, when)
     url = _api_url(ws)
     quiet_prefect()
     from flows.schedule import serve
-    when = f"cron '{args.cron}'" if args.cron else f"every {args.interval:g} s"
     print(f"serving alignloop-{ws.root.name} on {when} against {url} "
           f"(overlapping ticks: {args.overlap}); Ctrl-C stops serving")
     serve(ws, args.cron, args.overlap, interval=args.interval)
@@ -295,6 +332,7 @@ EXAMPLES = """examples:
   alignloop import hh.jsonl --workspace /tmp/w # your own preference pairs (TRL formats)
   alignloop lineage models:/alignloop-policy@champion --verify
   alignloop server start && alignloop schedule --cron "0 3 * * 1"
+  alignloop schedule --work-pool local --cron "0 3 * * 1"   # for `prefect worker start`
   alignloop judge-server start --model DIR     # an OpenAI-compatible judge on loopback
 """
 
@@ -385,12 +423,16 @@ def build_parser() -> argparse.ArgumentParser:
     js.add_argument("--workspace", default=DEFAULT_WORKSPACE,
                     help="where its pid file and log go (<workspace>/.alignloop/)")
     js.set_defaults(func=cmd_judge_server)
-    sch = sub.add_parser("schedule", help="serve recurring iterations on a cron schedule")
+    sch = sub.add_parser("schedule", help="serve recurring iterations on a cron schedule (or "
+                                          "deploy them to a work pool)")
     when = sch.add_mutually_exclusive_group(required=True)
     when.add_argument("--cron", help='e.g. "0 3 * * 1" (Mondays 03:00)')
     when.add_argument("--interval", type=float, metavar="SECONDS", help="every N seconds")
     sch.add_argument("--overlap", choices=["wait", "skip"], default="skip",
                      help="an overlapping tick waits for the running one, or is skipped")
+    sch.add_argument("--work-pool", metavar="NAME",
+                     help="deploy to this Prefect work pool (created as type process if "
+                          "missing) for a worker to run, instead of serving here")
     sch.add_argument("--workspace", default=DEFAULT_WORKSPACE)
     sch.set_defaults(func=cmd_schedule)
     tk = sub.add_parser("tick", help="run the next iteration now, as a scheduled tick would")

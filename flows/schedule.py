@@ -9,6 +9,10 @@ run (manual `run`, `rerun` and `tick` take it too); when it is held the tick wai
 skipped, before the pipeline (MLflow, DVC) is even imported. Every tick that starts is logged
 to `.alignloop/ticks.jsonl`. A failed tick puts the workspace back as it was before it.
 
+The tick is served from this process (`serve`) or deployed to a Prefect work pool
+(`deploy_to_pool`) for a worker to run, maybe on another machine: the deployment points at this
+repository's directory and the workspace by path, so the worker must see both at those paths.
+
 No `from __future__ import annotations` here: a served fire runs the flow in a fresh process
 from a cloudpickled copy and Prefect validates its parameters against the signature there. A
 string annotation ("Overlap") no longer resolves in that copy, and every fire failed.
@@ -24,11 +28,12 @@ from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.states import Completed, State
 
-from flows.workspace import Busy, Workspace, git, workspace_lock
+from flows.workspace import PROJECT_ROOT, Busy, Workspace, apply_environment, git, workspace_lock
 from tasks import layout
 from tasks.params import iteration_numbers, parse_params
 
 Overlap = Literal["wait", "skip"]
+ENTRYPOINT = "flows/schedule.py:tick"   # relative to PROJECT_ROOT, where a worker loads it
 TICKS = "ticks.jsonl"          # in .alignloop/: when each tick started and ended, and why
 # what Prefect does with a fire while the deployment's one slot is taken
 COLLISION = {"skip": ConcurrencyLimitStrategy.CANCEL_NEW, "wait": ConcurrencyLimitStrategy.ENQUEUE}
@@ -123,6 +128,10 @@ def tick(workspace: str, overlap: Overlap = "wait"
     """One scheduled iteration: append it to params.yaml, run the DAG, record it. A tick that
     finds the workspace busy with overlap "skip" ends in state Skipped (type COMPLETED)."""
     ws = Workspace(Path(workspace))
+    if not (ws.root / layout.PARAMS_FILE).is_file():
+        raise FileNotFoundError(f"{ws.root}: no alignloop workspace at this path here; a "
+                                "worker needs it at the path it was deployed with")
+    apply_environment(ws)        # a worker's flow run starts without the CLI's environment
     t0 = time.time()
     try:
         with workspace_lock(ws, overlap):
@@ -146,6 +155,46 @@ def serve(ws: Workspace, cron: str | None, overlap: Overlap,
         raise ValueError("serve: give exactly one of cron and interval")
     tick.serve(name=deployment_name(ws), cron=cron, interval=interval,
                parameters={"workspace": str(ws.root), "overlap": overlap},
-               global_limit=ConcurrencyLimitConfig(limit=1,
-                                                   collision_strategy=COLLISION[overlap]),
+               global_limit=_concurrency(overlap),
                description=f"alignloop iterations in {ws.root} (overlapping ticks: {overlap})")
+
+
+def _concurrency(overlap: Overlap) -> ConcurrencyLimitConfig:
+    """One slot per workspace's deployment; what a fire that finds it taken does."""
+    return ConcurrencyLimitConfig(limit=1, collision_strategy=COLLISION[overlap])
+
+
+def ensure_pool(name: str) -> str:
+    """The work pool's type; a missing pool is created as a `process` pool (a worker runs each
+    flow run as a subprocess on its machine: no image, no registry)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_work_pool(name).type
+        except ObjectNotFound:
+            template = ProcessWorker.get_default_base_job_template()
+            return client.create_work_pool(WorkPoolCreate(
+                name=name, type="process", base_job_template=template)).type
+
+
+def deploy_to_pool(ws: Workspace, pool: str, cron: str | None, overlap: Overlap,
+                   interval: float | None = None) -> str:
+    """Deploy the tick to work pool `pool` (created if missing) with serve's name, parameters,
+    schedule and concurrency limit, and return the pool's type. The code is this repository's
+    directory, loaded by path (no image built or pushed): a worker needs it, and the workspace,
+    at the same paths."""
+    if (cron is None) == (interval is None):
+        raise ValueError("deploy_to_pool: give exactly one of cron and interval")
+    kind = ensure_pool(pool)
+    loaded = tick.from_source(source=str(PROJECT_ROOT), entrypoint=ENTRYPOINT)
+    deployment = loaded.to_deployment(   # .deploy() would do the same, with a console table
+        name=deployment_name(ws), work_pool_name=pool, cron=cron, interval=interval,
+        parameters={"workspace": str(ws.root), "overlap": overlap},
+        concurrency_limit=_concurrency(overlap), paused=False,
+        description=f"alignloop iterations in {ws.root} (overlapping ticks: {overlap}; "
+                    "a worker needs this path)")
+    deployment.apply(work_pool_name=pool)
+    return kind

@@ -81,7 +81,8 @@ def environment(ws: Workspace) -> dict[str, str]:
     env["PREFECT_HOME"] = os.environ.get("PREFECT_HOME", str(ws.prefect_home))
     env["DVC_SITE_CACHE_DIR"] = os.environ.get("DVC_SITE_CACHE_DIR", str(ws.state / "dvc-site"))
     # stage commands run `python -m tasks.X`: make that the interpreter running alignloop
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    bindir, path = str(Path(sys.executable).parent), os.environ.get("PATH", "")
+    env["PATH"] = path if path.split(os.pathsep)[0] == bindir else os.pathsep.join([bindir, path])
     return env
 
 
