@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,12 +58,15 @@ def cluster(min_cpus: int = 1) -> Iterator[None]:
     temp = None if address else tempfile.mkdtemp(prefix="alignloop-ray-")
     local = {} if address else {"num_cpus": max(os.cpu_count() or 1, min_cpus),
                                 "include_dashboard": False, "_temp_dir": temp}
+    where = f"the Ray cluster at {ADDRESS_ENV}={address}" if address else "a local Ray cluster"
+    t0 = time.monotonic()
     try:
         ray.init(address=address or "local", log_to_driver=False, logging_level=logging.ERROR,
                  runtime_env=_runtime_env(), **local)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        where = f"{ADDRESS_ENV}={address}" if address else "a local Ray cluster"
         raise InputError(f"{where}: Ray did not start: {str(e).splitlines()[0]}") from None
+    print(f"ray: {'connected to' if address else 'started'} {where} in "
+          f"{time.monotonic() - t0:.1f} s", flush=True)
     try:
         yield
     finally:

@@ -332,7 +332,7 @@ def sample_on_workers(policy_dir: Path, prompts: Sequence[Sequence[int]], worker
     init = {"policy_dir": str(policy_dir), "pad_id": pad_id, "eos_id": eos_id,
             "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens}
     out: list[Sample] = []
-    with progress.track(len(prompts), "samples", "tokens") as pg:
+    with ray_pool.cluster(workers), progress.track(len(prompts), "samples", "tokens") as pg:
         for part in ray_pool.map_actors(ShardSampler, init, shards, workers):
             out.extend(part)
             pg.step(len(part), work=sum(len(s.response_ids) for s in part))
