@@ -44,7 +44,8 @@ def sample_rollouts(model: torch.nn.Module, tok: transformers.PreTrainedTokenize
     if workers > 1:
         if policy_dir is None:
             raise ValueError("sampling on Ray workers needs the policy's directory")
-        samples = sampling.sample_on_workers(policy_dir, rows, workers, **kw)  # type: ignore[arg-type]
+        samples = sampling.sample_on_workers(  # type: ignore[arg-type]
+            policy_dir, rows, workers, **kw)
     else:
         samples = sampling.sample(model, rows, **kw)  # type: ignore[arg-type]
     settings = asdict(gen)
