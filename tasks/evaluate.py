@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     gen, mpt = p.evaluate.generation, p.model.max_prompt_tokens
     # 1. the policy's responses; the reference's were drawn once by reference_samples
     pol = sample_rollouts(policy, tok, prompts, 1, gen, mpt, lm.weights_md5(pol_dir), it,
-                          stage.generator(p.seed, 4, it))
+                          stage.generator(p.seed, 4, it), p.evaluate.workers, pol_dir)
     ref_path = str(root / layout.REFERENCE_SAMPLES)
     refs = read_samples(ref_path)
     if [r.prompt_id for r in refs] != [pid for pid, _ in prompts]:

@@ -16,6 +16,9 @@ import hashlib
 import random
 from collections.abc import Sequence
 from itertools import combinations, groupby
+from pathlib import Path
+
+import torch
 
 from tasks import audit, jsonl, layout, stage
 from tasks.judges import (LexiconJudge, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
@@ -89,22 +92,38 @@ def union(first: Sequence[PreferencePair], more: Sequence[PreferencePair]) -> li
     return list(first) + [p for p in more if key(p) not in seen]
 
 
+# one group's (ranked pairs, pool pairs, verdicts, scores)
+GroupResult = tuple[list[PreferencePair], list[PreferencePair], list[Verdict], list[float | None]]
+
+
+def judge_group(judge: PointwiseJudge, group: Group, source: str, pairs_per_prompt: int = 1,
+                pool_margin: float | None = None) -> GroupResult:
+    """One prompt's ranked pairs and pool pairs (the ranked ones, plus with `pool_margin`
+    every margin pair), its verdicts and its responses' scores."""
+    prompt, responses, meta, *sampled = group
+    pairs, verdicts, scores = ranked_pairs(judge, prompt, responses, source, meta,
+                                           pairs_per_prompt, *sampled)
+    more = [] if pool_margin is None else margin_pairs(
+        judge, prompt, responses, scores, source, meta, pool_margin, *sampled)
+    return pairs, union(pairs, more), verdicts, scores
+
+
 def judge_groups(judge: PointwiseJudge, groups: Sequence[Group], source: str,
                  pairs_per_prompt: int = 1, pool_margin: float | None = None
                  ) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, float]]:
-    """Ranked pairs (DPO's) and pool pairs (the reward model's: the ranked ones, plus with
-    `pool_margin` every margin pair) for every group of responses, with verdict rates and
-    score stats."""
-    pairs, pool, verdicts, all_scores = [], [], [], []
-    for prompt, responses, meta, *sampled in groups:
-        group_pairs, group_verdicts, scores = ranked_pairs(
-            judge, prompt, responses, source, meta, pairs_per_prompt, *sampled)
-        verdicts.extend(group_verdicts)
-        all_scores.extend(scores)
-        pairs.extend(group_pairs)
-        more = [] if pool_margin is None else margin_pairs(
-            judge, prompt, responses, scores, source, meta, pool_margin, *sampled)
-        pool.extend(union(group_pairs, more))
+    """Ranked pairs (DPO's) and pool pairs (the reward model's) for every group of
+    responses, with verdict rates and score stats."""
+    return collect_groups([judge_group(judge, g, source, pairs_per_prompt, pool_margin)
+                           for g in groups])
+
+
+def collect_groups(results: Sequence[GroupResult]
+                   ) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, float]]:
+    """The groups' pairs and pool pairs in group order, and their metrics."""
+    pairs = [x for r in results for x in r[0]]
+    pool = [x for r in results for x in r[1]]
+    verdicts = [v for r in results for v in r[2]]
+    all_scores = [s for r in results for s in r[3]]
     valid = [s for s in all_scores if s is not None]
     metrics = {f"judge/{k}": v for k, v in verdict_rates(verdicts).items()}
     metrics.update({
@@ -117,6 +136,16 @@ def judge_groups(judge: PointwiseJudge, groups: Sequence[Group], source: str,
         "judge/mean_score": sum(valid) / max(len(valid), 1),
     })
     return pairs, pool, metrics
+
+
+def judge_shard(jp: JudgeParams, root: Path, source: str, threads: int,
+                groups: Sequence[Group]) -> list[GroupResult]:
+    """A Ray task's share of `judge_all`: its own judge, built from the same params and
+    files, on the stage's torch thread count (a reward model's scores keep their bits)."""
+    torch.set_num_threads(threads)
+    judge = make_judge(jp, root)
+    return [judge_group(judge, g, source, jp.pairs_per_prompt,  # type: ignore[arg-type]
+                        pool_margin(jp)) for g in groups]
 
 
 def seeded_pairs(key: str, responses: Sequence[str], n: int) -> list[tuple[int, int]]:
@@ -213,14 +242,21 @@ def audit_agreement(judge: PairwiseJudge, pool: Sequence[PreferencePair],
             f"{prefix}audit_labelled_n": float(len(audited))}
 
 
-def judge_all(judge: PairwiseJudge, groups: Sequence[Group], source: str, jp: JudgeParams
+def judge_all(judge: PairwiseJudge, groups: Sequence[Group], source: str, jp: JudgeParams,
+              root: Path | None = None
               ) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, float]]:
-    """Pointwise judges: `judge_groups` (best vs worst, margin pairs), exactly as before;
-    pairwise judges: `pairwise_groups`."""
-    if is_pointwise(judge):
-        return judge_groups(judge, groups, source,  # type: ignore[arg-type]
-                            jp.pairs_per_prompt, pool_margin(jp))
-    return pairwise_groups(judge, groups, source, jp)
+    """Pointwise judges: `judge_groups` (best vs worst, margin pairs), exactly as before, on
+    `jp.workers` Ray workers when more than 1 (shards of the groups; with `root`, the
+    workspace the judge's files are read from); pairwise judges: `pairwise_groups`."""
+    if not is_pointwise(judge):
+        return pairwise_groups(judge, groups, source, jp)
+    if jp.workers > 1 and root is not None:
+        from tasks import ray_pool        # only here: nothing imports Ray otherwise
+        args = (jp, root, source, torch.get_num_threads())
+        parts = ray_pool.map_shards(judge_shard, args, groups, jp.workers)
+        return collect_groups([r for part in parts for r in part])
+    return judge_groups(judge, groups, source,  # type: ignore[arg-type]
+                        jp.pairs_per_prompt, pool_margin(jp))
 
 
 def rollout_groups(rollouts: Sequence[Rollout], iteration: int) -> list[Group]:
@@ -239,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     groups = rollout_groups(rollouts, it)
     jp = args.params.judge
     judge = make_judge(jp, root)
-    pairs, new, metrics = judge_all(judge, groups, f"iter_{it}", jp)
+    pairs, new, metrics = judge_all(judge, groups, f"iter_{it}", jp, root)
     pool_path = str(root / layout.pairs_pool(it - 1))
     pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
     labels_path = root / layout.AUDIT_LABELS

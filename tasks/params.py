@@ -99,6 +99,8 @@ class JudgeParams:
     timeout_s: float = 60.0        # http: per request
     max_retries: int = 3           # http: retries on 429, 5xx and timeouts (then: invalid)
     backoff_s: float = 1.0         # http: first retry delay, doubled on each further retry
+    workers: int = 1               # Ray workers judging shards of the prompts (1 = no Ray);
+                                   #   pointwise kinds (lexicons, reward_model) only
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class RolloutParams:
     n_prompts: int = 16
     samples_per_prompt: int = 4
     generation: GenerationParams = field(default_factory=GenerationParams)
+    workers: int = 1            # Ray workers sampling shards of the batches (1 = no Ray)
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,7 @@ class EvaluateParams:
     monitors: MonitorParams = field(default_factory=MonitorParams)
     gold: GoldParams = field(default_factory=GoldParams)
     best_of_n: BestOfNParams = field(default_factory=BestOfNParams)
+    workers: int = 1            # Ray workers sampling the policy's responses (1 = no Ray)
 
 
 @dataclass(frozen=True)
@@ -454,6 +458,7 @@ POSITIVE = (
     "offpolicy.n_prompts", "offpolicy.samples_per_prompt",
     "offpolicy.generation.max_new_tokens", "offpolicy.generation.batch_size",
     "rollout.n_prompts", "rollout.generation.max_new_tokens", "rollout.generation.batch_size",
+    "rollout.workers", "judge.workers", "evaluate.workers",
     "train_rm.batch_size", "train_rm.max_length",
     "update.max_length", "update.dpo.lr", "update.dpo.epochs", "update.dpo.batch_size",
     "update.ppo.lr", "update.ppo.epochs", "update.ppo.minibatch_size", "update.ppo.value_lr",
@@ -499,6 +504,10 @@ def _check_judge(p: Params, b: _Builder) -> None:
                "directory)")
     if j.max_length < 1:
         b.fail(("judge", "max_length"), "must be >= 1")
+    if j.workers > 1 and j.kind in ("llm", "http"):
+        b.fail(("judge", "workers"), f"judge.kind {j.kind} compares its pairs in the stage "
+               "process (http: max_concurrency sets its parallelism); workers > 1 is for the "
+               "pointwise kinds (lexicon, lexicon_topic, lexicon_review, reward_model)")
     if j.kind == "http" and j.decoding != "greedy":
         b.fail(("judge", "decoding"), "the http judge decodes greedily (temperature 0); "
                "logprob is for judge.kind: llm")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import transformers
@@ -30,14 +31,23 @@ def load_prompts(path: str, limit: int | None = None,
 def sample_rollouts(model: torch.nn.Module, tok: transformers.PreTrainedTokenizerBase,
                     prompts: Sequence[tuple[str, Prompt]], k: int, gen: GenerationParams,
                     max_prompt_tokens: int, policy_version: str, iteration: int,
-                    rng: torch.Generator) -> list[Rollout]:
-    """K samples per prompt, grouped by prompt in input order."""
+                    rng: torch.Generator, workers: int = 1,
+                    policy_dir: Path | None = None) -> list[Rollout]:
+    """K samples per prompt, grouped by prompt in input order. With workers > 1, sampled by
+    that many Ray workers, each loading the model from policy_dir (the same samples)."""
     ids = [lm.render_prompt(tok, prompt, max_prompt_tokens) for _, prompt in prompts]
     flat = [i for i in range(len(prompts)) for _ in range(k)]
-    samples = sampling.sample(model, [ids[i] for i in flat], batch_size=gen.batch_size,
-                              max_new_tokens=gen.max_new_tokens, eos_id=tok.eos_token_id,
-                              pad_id=tok.pad_token_id, temperature=gen.temperature,
-                              top_p=gen.top_p, generator=rng)
+    rows = [ids[i] for i in flat]
+    kw = dict(batch_size=gen.batch_size, max_new_tokens=gen.max_new_tokens,
+              eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=gen.temperature,
+              top_p=gen.top_p, generator=rng)
+    if workers > 1:
+        if policy_dir is None:
+            raise ValueError("sampling on Ray workers needs the policy's directory")
+        samples = sampling.sample_on_workers(  # type: ignore[arg-type]
+            policy_dir, rows, workers, **kw)
+    else:
+        samples = sampling.sample(model, rows, **kw)  # type: ignore[arg-type]
     settings = asdict(gen)
     out = []
     for i, s in zip(flat, samples):
@@ -67,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
                            offset=(it - 1) * p.rollout.n_prompts)
     rollouts = sample_rollouts(model, tok, prompts, p.rollout.samples_per_prompt,
                                p.rollout.generation, p.model.max_prompt_tokens,
-                               lm.weights_md5(policy_dir), it, stage.generator(p.seed, 1, it))
+                               lm.weights_md5(policy_dir), it, stage.generator(p.seed, 1, it),
+                               p.rollout.workers, policy_dir)
     jsonl.write(args.root / layout.rollouts(it), (r.to_record() for r in rollouts))
     metrics = rollout_metrics(rollouts)
     stage.write_metrics(args.root, layout.metrics(it, "rollout"), metrics)

@@ -18,12 +18,13 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from tasks import fast_llama, progress
+from tasks import fast_llama, lm, progress
 
 BLOCK = 256             # vocabulary block of the two-level inverse CDF
 MIN_SHARD_ROWS = 4      # rows below which a batch is not split across threads
@@ -133,7 +134,7 @@ class HFDecoder:
 
 
 # -- the sampling loop ---------------------------------------------------------------------------
-def _decoders(model: torch.nn.Module, *, pad_id: int, temperature: float,
+def decoders(model: torch.nn.Module, *, pad_id: int, temperature: float,
               max_new_tokens: int) -> Callable[[Sequence[Sequence[int]]], Decoder]:
     """A maker of one batch's decoder; the fast Llama path reads fused weights built here."""
     if fast_llama.supports(model):
@@ -145,7 +146,7 @@ def _decoders(model: torch.nn.Module, *, pad_id: int, temperature: float,
 
 
 @torch.inference_mode()    # grad mode is per thread: the shard workers need it set here
-def _sample_rows(dec: Decoder, u: Tensor, *, eos_id: int, pad_id: int,
+def sample_rows(dec: Decoder, u: Tensor, *, eos_id: int, pad_id: int,
                  top_p: float) -> list[Sample]:
     """Draw one response per row of the decoder, step t at uniforms u[:, t] (B, T); stops at
     EOS (kept) or after T tokens."""
@@ -197,20 +198,71 @@ def _sample_sharded(make: Callable[[Sequence[Sequence[int]]], Decoder],
     single-threaded ops. A row's sample depends only on its prompt and its uniforms, so the
     split does not change what is drawn; it replaces intra-op parallelism, whose per-op
     synchronisation dominates at these matrix sizes, by data parallelism."""
-    b = len(prompts)
-    u = torch.rand((b, max_new_tokens), generator=generator, dtype=torch.float64)   # (B, T)
-    n = max(1, min(torch.get_num_threads(), b // MIN_SHARD_ROWS))
-    bounds = [_run_start(prompts, b * i // n) for i in range(n + 1)]
-    shards = [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    u = batch_uniforms(len(prompts), max_new_tokens, generator)                     # (B, T)
+    shards = thread_shards(prompts, torch.get_num_threads())
 
     def run(rows: slice) -> list[Sample]:
-        return _sample_rows(make(prompts[rows]), u[rows], eos_id=eos_id, pad_id=pad_id,
+        return sample_rows(make(prompts[rows]), u[rows], eos_id=eos_id, pad_id=pad_id,
                             top_p=top_p)
 
     if len(shards) == 1:
         return run(shards[0])
     with _single_threaded_ops(), ThreadPoolExecutor(len(shards)) as pool:
         return [s for part in pool.map(run, shards) for s in part]
+
+
+def batch_uniforms(b: int, max_new_tokens: int, generator: torch.Generator) -> Tensor:
+    """The uniforms of one batch, one per row and step, in row order: (B, T) fp64."""
+    return torch.rand((b, max_new_tokens), generator=generator, dtype=torch.float64)
+
+
+def thread_shards(prompts: Sequence[Sequence[int]], threads: int) -> list[slice]:
+    """One batch's rows as contiguous shards, one per thread (at most), each at least
+    MIN_SHARD_ROWS rows, boundaries only between runs of equal prompts. A row's tokens do not
+    depend on its shard (tests/test_sampling.py), but the last bits of its log-probs may: the
+    shard's shared prefix, its matrix shapes and the threads its ops run on change the
+    rounding. So whoever samples a batch elsewhere (Ray workers: `plan`, `sample_on_workers`)
+    samples exactly these shards on the same threads."""
+    b = len(prompts)
+    n = max(1, min(threads, b // MIN_SHARD_ROWS))
+    bounds = [_run_start(prompts, b * i // n) for i in range(n + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One thread shard of one batch as `sample` samples it: its rows' prompts, their uniforms
+    (R, T) fp64, and the torch threads its ops run on (1 when its batch is split, else all)."""
+    prompts: tuple[tuple[int, ...], ...]
+    u: Tensor
+    threads: int
+
+
+def plan(prompts: Sequence[Sequence[int]], *, batch_size: int, max_new_tokens: int,
+         generator: torch.Generator, threads: int) -> list[Shard]:
+    """`sample`'s work as shards in row order, drawing the generator exactly as it does, for a
+    process with `threads` torch threads: sampling each shard anywhere (`sample_shard`) and
+    concatenating gives `sample`'s result bit for bit."""
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start: start + batch_size]
+        u = batch_uniforms(len(batch), max_new_tokens, generator)                 # (B, T)
+        shards = thread_shards(batch, threads)
+        ops = threads if len(shards) == 1 else 1
+        out += [Shard(tuple(tuple(p) for p in batch[s]), u[s].clone(), ops) for s in shards]
+    return out
+
+
+def sample_shard(make: Callable[[Sequence[Sequence[int]]], Decoder], shard: Shard, *,
+                 eos_id: int, pad_id: int, top_p: float) -> list[Sample]:
+    """One shard of a `plan`, with the decoders of `decoders(...)`, on the shard's threads."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(shard.threads)
+    try:
+        return sample_rows(make(shard.prompts), shard.u, eos_id=eos_id, pad_id=pad_id,
+                           top_p=top_p)
+    finally:
+        torch.set_num_threads(n)
 
 
 def _run_start(prompts: Sequence[Sequence[int]], i: int) -> int:
@@ -226,7 +278,7 @@ def sample_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, ma
                  eos_id: int, pad_id: int, temperature: float, top_p: float,
                  generator: torch.Generator) -> list[Sample]:
     """Sample one response per prompt, all in one batch."""
-    make = _decoders(model, pad_id=pad_id, temperature=temperature,
+    make = decoders(model, pad_id=pad_id, temperature=temperature,
                      max_new_tokens=max_new_tokens)
     return _sample_sharded(make, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id,
                            pad_id=pad_id, top_p=top_p, generator=generator)
@@ -238,7 +290,7 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, batch_si
            generator: torch.Generator) -> list[Sample]:
     """Sample one response per prompt, in batches of batch_size (order preserved). Repeated
     prompts in a batch (K samples of one prompt) share their prompt computation."""
-    make = _decoders(model, pad_id=pad_id, temperature=temperature,
+    make = decoders(model, pad_id=pad_id, temperature=temperature,
                      max_new_tokens=max_new_tokens)
     out: list[Sample] = []
     with progress.track(len(prompts), "samples", "tokens") as pg:
@@ -248,4 +300,40 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, batch_si
                                     pad_id=pad_id, top_p=top_p, generator=generator)
             out.extend(batch)
             pg.step(len(batch), work=sum(len(s.response_ids) for s in batch))
+    return out
+
+
+# -- on Ray workers (rollout.workers, evaluate.workers > 1) -------------------------------------
+class ShardSampler:
+    """A Ray actor: one replica of the policy, loaded from its directory, sampling shards."""
+
+    def __init__(self, policy_dir: str, *, pad_id: int, eos_id: int, temperature: float,
+                 top_p: float, max_new_tokens: int):
+        model = lm.load_causal_lm(policy_dir)
+        self.make = decoders(model, pad_id=pad_id, temperature=temperature,
+                             max_new_tokens=max_new_tokens)
+        self.pad_id, self.eos_id, self.top_p = pad_id, eos_id, top_p
+
+    def run(self, shard: Shard) -> list[Sample]:
+        return sample_shard(self.make, shard, eos_id=self.eos_id, pad_id=self.pad_id,
+                            top_p=self.top_p)
+
+
+def sample_on_workers(policy_dir: Path, prompts: Sequence[Sequence[int]], workers: int, *,
+                      batch_size: int, max_new_tokens: int, eos_id: int, pad_id: int,
+                      temperature: float, top_p: float,
+                      generator: torch.Generator) -> list[Sample]:
+    """`sample` of the model in policy_dir on `workers` Ray actors (tasks.ray_pool), each
+    sampling whole shards of `plan`: the shards this process would sample on its own threads,
+    so the same samples bit for bit, in prompt order."""
+    from tasks import ray_pool        # only here: nothing imports Ray otherwise
+    shards = plan(prompts, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                  generator=generator, threads=torch.get_num_threads())
+    init = {"policy_dir": str(policy_dir), "pad_id": pad_id, "eos_id": eos_id,
+            "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens}
+    out: list[Sample] = []
+    with ray_pool.cluster(workers), progress.track(len(prompts), "samples", "tokens") as pg:
+        for part in ray_pool.map_actors(ShardSampler, init, shards, workers):
+            out.extend(part)
+            pg.step(len(part), work=sum(len(s.response_ids) for s in part))
     return out

@@ -110,3 +110,15 @@ def run_stage(main: object, root: Path, it: int = 0) -> None:
 
 def read_json(path: Path) -> object:
     return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> object:
+    """One local Ray cluster for the session (start-up ~10 s, shared): this process holds it
+    (tasks.ray_pool uses it as it is), and CLI runs reach it through RAY_ADDRESS."""
+    pytest.importorskip("ray")
+    import ray
+
+    from tasks import ray_pool
+    with ray_pool.cluster(2):
+        yield ray.get_runtime_context().gcs_address

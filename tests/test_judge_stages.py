@@ -256,3 +256,19 @@ def test_reward_model_judge_refuses_a_model_that_is_not_one(base: Path) -> None:
     from tasks.judge_rm import RewardModelJudge
     with pytest.raises(ModelError, match="not a reward model"):
         RewardModelJudge(base / layout.policy(0), 0.05, 1, 512)
+
+
+def test_reward_model_judge_on_two_ray_workers_writes_the_same_bytes(
+        base: Path, user_rm: Path, ray_address: str) -> None:
+    """judge.workers: 2 with the reward_model judge: two Ray tasks, each loading the RM from
+    its directory and scoring a shard of the prompts, give the one-process pairs, pool and
+    metrics byte for byte (the scores' bits included)."""
+    outs = (layout.pairs(1), layout.pairs_pool(1), layout.metrics(1, "judge"))
+    written = []
+    for workers in (1, 2):
+        root = base.parent / f"rm-judge-workers-{workers}"
+        shutil.copytree(base, root)
+        set_judge(root, kind="reward_model", model=str(user_rm), workers=workers)
+        run(judge.main, root, 1)
+        written.append([(root / rel).read_bytes() for rel in outs])
+    assert written[0] == written[1] and b"score_chosen" in written[0][0]

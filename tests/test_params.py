@@ -209,6 +209,40 @@ def test_http_judge_profile_differs_from_default_only_in_the_judge() -> None:
         .split("\njudge:\n")[1].split("\n\n", 1)[1]      # the same text after the judge
 
 
+WORKERS = {("rollout", "workers"), ("judge", "workers"), ("evaluate", "workers")}
+
+
+def leaves(d: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+    """Every scalar of a nested params dict under its key path."""
+    out: dict[tuple[str, ...], object] = {}
+    for k, v in d.items():
+        out.update(leaves(v, prefix + (k,)) if isinstance(v, dict) else {prefix + (k,): v})
+    return out
+
+
+def test_distributed_profile_differs_from_tiny_only_in_the_workers() -> None:
+    """tiny-distributed: the tiny loop on 2 Ray workers per sampling and judging stage, never
+    a copy that drifted; tiny itself runs without Ray."""
+    tiny = leaves(to_dict(load_params(PARAMS_DIR / "tiny.yaml")))
+    dist = leaves(to_dict(load_params(PARAMS_DIR / "tiny-distributed.yaml")))
+    assert tiny.keys() == dist.keys() and WORKERS <= tiny.keys()
+    assert {k for k in tiny if tiny[k] != dist[k]} == WORKERS
+    assert {dist[k] for k in WORKERS} == {2} and {tiny[k] for k in WORKERS} == {1}
+
+
+@pytest.mark.parametrize("section", ["rollout", "judge", "evaluate"])
+def test_workers_must_be_positive(tmp_path: Path, section: str) -> None:
+    path = write(tmp_path, BASE + f"{section}:\n  workers: 0\n")
+    assert load_error(path) == f"{path}:12: {section}.workers: must be > 0, got 0"
+
+
+def test_judge_workers_are_for_pointwise_judges(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE + "judge:\n  kind: http\n  workers: 2\n")
+    assert load_error(path).startswith(f"{path}:13: judge.workers: judge.kind http compares")
+    assert load_params(write(tmp_path, BASE + "judge:\n  kind: lexicon\n  workers: 2\n",
+                             "ok.yaml")).judge.workers == 2
+
+
 # --- sizes, the import path, the off-policy mix ----------------------------------------------
 
 @pytest.mark.parametrize("old, new, expected", [

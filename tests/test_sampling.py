@@ -327,6 +327,32 @@ def test_samples_do_not_depend_on_batch_size_or_threads(
     assert torch.get_num_threads() == threads
 
 
+def test_logprob_bits_depend_on_the_shard_so_the_plan_fixes_the_shards(
+        gqa_model: torch.nn.Module, tok: transformers.PreTrainedTokenizerBase,
+        system_prompts: list[list[int]]) -> None:
+    # the last bits of a row's log-probs move with its shard (shared prefix, matrix shapes) and
+    # with the threads its ops run on; sampling the plan's shards one by one, in any order and
+    # anywhere (a Ray worker does), on the plan's threads, gives `sample`'s bits
+    policy = eos_heavy(gqa_model, tok.eos_token_id, 0.8)
+    make = sampling.decoders(policy, pad_id=tok.pad_token_id, temperature=1.0,
+                             max_new_tokens=MAX_NEW)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        whole = draw(policy, tok, system_prompts, seed=14, batch_size=9)      # 9 rows + 3 rows
+        shards = sampling.plan(system_prompts, batch_size=9, max_new_tokens=MAX_NEW,
+                               generator=torch.Generator().manual_seed(14), threads=2)
+        assert [(len(s.prompts), s.threads) for s in shards] == [(6, 1), (3, 1), (3, 2)]
+        one_by_one = [x for s in shards[::-1] for x in sampling.sample_shard(
+            make, s, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, top_p=1.0)[::-1]][::-1]
+        alone = draw(policy, tok, system_prompts[:6], seed=14, batch_size=9)  # on 2 threads
+    finally:
+        torch.set_num_threads(threads)
+    assert one_by_one == whole
+    assert [s.response_ids for s in alone] == [s.response_ids for s in whole[:6]]
+    assert [s.logprobs for s in alone] != [s.logprobs for s in whole[:6]]
+
+
 def chi_square_z(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's chi-square of counts against probs, as a z-score (X - dof) / sqrt(2 dof);
     cells expecting fewer than 5 draws are pooled."""
