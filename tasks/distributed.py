@@ -6,7 +6,7 @@ randperm from the same seeded generator); rank r takes a disjoint slice of each,
 (sum over its slice of w_i * l_i) / |global batch|, so the gradients summed over ranks
 (all_reduce) are the single-process gradient of mean_i(w_i * l_i). Every rank then takes the
 same optimizer step from the same weights, so the weights stay identical on all ranks; only
-rank 0 writes outputs. gloo on CPU, NCCL when CUDA is available. With one process nothing here
+rank 0 writes outputs. gloo for CPU tensors, NCCL for CUDA ones. With one process nothing here
 runs: `SINGLE` leaves the single-process arithmetic exactly as it was.
 """
 from __future__ import annotations
@@ -103,13 +103,15 @@ def launched() -> bool:
 
 
 def init() -> Group:
-    """Join the process group (gloo on CPU, NCCL with CUDA); threads = machine threads / N."""
+    """Join the process group; threads = machine threads / N. Collectives go by the tensor's
+    device: gloo for CPU tensors (the stages' models today), NCCL for CUDA ones when present."""
     world = int(os.environ["WORLD_SIZE"])
     cores = int(os.environ.get(THREADS_ENV, os.cpu_count() or 1))
     torch.set_num_threads(max(1, cores // world))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    backend = "gloo"
+    if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend)
     return Group(dist.get_rank(), world)
 
