@@ -155,9 +155,11 @@ def enter(module: str, argv: Sequence[str] | None, processes: int) -> Group | No
     return init() if launched() else SINGLE
 
 
-def record_losses(g: Group, losses: Sequence[float]) -> None:
-    """Debug side file for the equal-loss test: rank 0 writes the per-step losses where
-    ALIGNLOOP_STEP_LOSSES says (outside the workspace; unset in a pipeline run)."""
+def record_losses(g: Group, losses: Sequence[float], seconds: float) -> None:
+    """Debug side file for the equal-loss test and benchmarks/ddp_scaling.py: rank 0 writes the
+    per-step losses and the training call's seconds where ALIGNLOOP_STEP_LOSSES says (outside
+    the workspace; unset in a pipeline run)."""
     path = os.environ.get(LOSSES_ENV)
     if path and g.main:
-        Path(path).write_text(json.dumps(list(losses)), encoding="utf-8")
+        Path(path).write_text(json.dumps({"losses": list(losses), "train_s": seconds}),
+                              encoding="utf-8")

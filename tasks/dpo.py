@@ -11,6 +11,7 @@ off-policy pairs from the previous pool (`offpolicy_indices`).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -85,6 +86,7 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
     """
     if not pairs:
         return {"update/steps": 0.0, "update/n_pairs": 0.0}
+    t0 = time.perf_counter()
     w = torch.ones(len(pairs)) if weights is None else weights                # (N,)
     ref.eval()
     with lm.autocast(p.precision):    # as the policy's: pi/ref is exactly 1 while pi = ref
@@ -116,7 +118,7 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
             pg.step(1, work=len(batch))
     pg.close()
     policy.eval()
-    record_losses(group, losses)
+    record_losses(group, losses, time.perf_counter() - t0)
     return {"update/steps": float(len(losses)), "update/n_pairs": float(len(pairs)),
             "update/loss_first": losses[0], "update/loss_last": losses[-1],
             "update/reward_accuracy_last": accs[-1], "update/reward_margin_last": margins[-1],

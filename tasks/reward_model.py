@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,6 +273,7 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
     """Fit the (margin) Bradley-Terry loss in place; `rng` orders the data. Returns loss stats.
     On several ranks (`group`) each takes its shard of every batch and the gradients are
     summed (tasks/distributed.py): the same steps as one process."""
+    t0 = time.perf_counter()
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=p.weight_decay)
     losses: list[float] = []
     pg = progress.track(p.epochs * -(-len(train) // p.batch_size), "steps", "pairs")
@@ -294,7 +296,7 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
             pg.step(1, work=len(batch))
     pg.close()
     model.eval()
-    record_losses(group, losses)
+    record_losses(group, losses, time.perf_counter() - t0)
     return {"loss_first": losses[0] if losses else float("nan"),
             "loss_last": losses[-1] if losses else float("nan"), "steps": float(len(losses))}
 

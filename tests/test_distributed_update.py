@@ -80,7 +80,7 @@ def run_with(base: Path, tmp: Path, main: object, edits: dict[str, object], sect
     mp.setenv(distributed.LOSSES_ENV, str(losses))
     before = files(root)
     run_stage(main, root, 1)
-    return root, files(root) - before, json.loads(losses.read_text())
+    return root, files(root) - before, json.loads(losses.read_text())["losses"]
 
 
 def assert_same_run(one: tuple[Path, set[str], list[float]],
