@@ -11,12 +11,14 @@ off-policy pairs from the previous pool (`offpolicy_indices`).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from tasks import lm, progress
+from tasks.distributed import SINGLE, Group, record_losses
 from tasks.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES, dpo_implicit_rewards
 from tasks.params import DPOParams
 from tasks.records import Rollout
@@ -39,63 +41,84 @@ def _pair_logprobs(model: torch.nn.Module, batch: Sequence[EncodedPair], pad_id:
 
 @torch.no_grad()
 def reference_logprobs(ref: torch.nn.Module, pairs: Sequence[EncodedPair], pad_id: int,
-                       batch_size: int, per_token_mean: bool = False) -> tuple[Tensor, Tensor]:
-    """The reference's chosen and rejected log-probs over all pairs, each (N,)."""
+                       batch_size: int, per_token_mean: bool = False,
+                       group: Group = SINGLE) -> tuple[Tensor, Tensor]:
+    """The reference's chosen and rejected log-probs over all pairs, each (N,). On several
+    ranks each computes every world-th chunk (the same chunks as one process) and shares it."""
     chosen, rejected = [], []
-    for s in range(0, len(pairs), batch_size):
-        c, r = _pair_logprobs(ref, pairs[s: s + batch_size], pad_id, per_token_mean)
-        chosen.append(c)
-        rejected.append(r)
+    for j, s in enumerate(range(0, len(pairs), batch_size)):
+        chunk = pairs[s: s + batch_size]
+        c, r = (_pair_logprobs(ref, chunk, pad_id, per_token_mean) if group.owns(j)
+                else (None, None))
+        chosen.append(group.share(c, len(chunk), j))
+        rejected.append(group.share(r, len(chunk), j))
     return torch.cat(chosen), torch.cat(rejected)
+
+
+def _batch_terms(policy: torch.nn.Module, pairs: Sequence[EncodedPair], idx: Tensor,
+                 ref_c: Tensor, ref_r: Tensor, p: DPOParams, pad_id: int
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-pair loss (with the SFT term), chosen NLL and implicit rewards r_c, r_r on the pairs
+    `idx`, each (B,)."""
+    mean_lp = p.loss in LENGTH_NORMALISED_LOSSES
+    with lm.autocast(p.precision):
+        pi_c, pi_r = _pair_logprobs(policy, [pairs[i] for i in idx.tolist()], pad_id, mean_lp)
+    per_pair = DPO_LOSSES[p.loss](pi_c, pi_r, ref_c[idx], ref_r[idx], p.beta, p.label_smoothing)
+    nll = -pi_c if mean_lp else -pi_c / torch.tensor(
+        [max(len(pairs[i].chosen_ids), 1) for i in idx.tolist()], dtype=pi_c.dtype)
+    if p.sft_weight > 0:
+        per_pair = per_pair + p.sft_weight * nll                               # (B,)
+    with torch.no_grad():
+        r_c = dpo_implicit_rewards(pi_c, ref_c[idx], p.beta)                  # beta log pi/ref
+        r_r = dpo_implicit_rewards(pi_r, ref_r[idx], p.beta)
+    return per_pair, nll, r_c, r_r
 
 
 def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[EncodedPair],
               p: DPOParams, pad_id: int, rng: torch.Generator,
-              weights: Tensor | None = None) -> dict[str, float]:
+              weights: Tensor | None = None, group: Group = SINGLE) -> dict[str, float]:
     """Optimise the policy in place on the pairs; returns `update/` metrics.
 
     weights: (N,) per-pair loss weights (default 1); the batch loss is mean_i(w_i * l_i).
     Implicit rewards and their accuracy are measured on the quantities the loss sees (per-token
-    means for IPO), before each step.
+    means for IPO), before each step. On several ranks (`group`) each takes its shard of every
+    global batch and the gradients are summed (tasks/distributed.py): the same steps.
     """
     if not pairs:
         return {"update/steps": 0.0, "update/n_pairs": 0.0}
+    t0 = time.perf_counter()
     w = torch.ones(len(pairs)) if weights is None else weights                # (N,)
-    mean_lp = p.loss in LENGTH_NORMALISED_LOSSES
     ref.eval()
     with lm.autocast(p.precision):    # as the policy's: pi/ref is exactly 1 while pi = ref
-        ref_c, ref_r = reference_logprobs(ref, pairs, pad_id, p.batch_size, mean_lp)  # (N,)
-    loss_fn = DPO_LOSSES[p.loss]
+        ref_c, ref_r = reference_logprobs(ref, pairs, pad_id, p.batch_size,
+                                          p.loss in LENGTH_NORMALISED_LOSSES, group)  # (N,)
     opt = torch.optim.AdamW(policy.parameters(), lr=p.lr, weight_decay=0.0)
     losses, accs, margins, nlls = [], [], [], []
     pg = progress.track(p.epochs * -(-len(pairs) // p.batch_size), "steps", "pairs")
     policy.train()
     for _ in range(p.epochs):
-        order = torch.randperm(len(pairs), generator=rng)
+        order = torch.randperm(len(pairs), generator=rng)   # the same on every rank
         for s in range(0, len(order), p.batch_size):
-            idx = order[s: s + p.batch_size]
-            with lm.autocast(p.precision):
-                pi_c, pi_r = _pair_logprobs(policy, [pairs[i] for i in idx.tolist()], pad_id,
-                                            mean_lp)
-            per_pair = loss_fn(pi_c, pi_r, ref_c[idx], ref_r[idx], p.beta, p.label_smoothing)
-            nll = -pi_c if mean_lp else -pi_c / torch.tensor(
-                [max(len(pairs[i].chosen_ids), 1) for i in idx.tolist()], dtype=pi_c.dtype)
-            if p.sft_weight > 0:
-                per_pair = per_pair + p.sft_weight * nll                       # (B,)
-            loss = (w[idx] * per_pair).mean()
+            batch = order[s: s + p.batch_size]
+            idx = group.shard(batch)                          # all of it on one process
             opt.zero_grad()
-            loss.backward()
+            if len(idx):
+                per_pair, nll, r_c, r_r = _batch_terms(policy, pairs, idx, ref_c, ref_r, p, pad_id)
+                loss = group.batch_loss(w[idx] * per_pair, len(batch))
+                loss.backward()
+            else:                                             # a short last batch, many ranks
+                loss, (nll, r_c, r_r) = torch.zeros(()), (torch.zeros(0),) * 3
+            group.sum_grads(policy.parameters())
             opt.step()
-            with torch.no_grad():
-                r_c = dpo_implicit_rewards(pi_c, ref_c[idx], p.beta)          # beta log pi/ref
-                r_r = dpo_implicit_rewards(pi_r, ref_r[idx], p.beta)
-                accs.append(float((r_c > r_r).float().mean()))
-                margins.append(float((r_c - r_r).mean()))
-                nlls.append(float(nll.mean()))
-            losses.append(loss.item())
-            pg.step(1, work=len(idx))
+            acc, margin, nll_mean = group.means([(r_c > r_r).float(), r_c - r_r, nll], len(batch))
+            accs.append(acc)
+            margins.append(margin)
+            nlls.append(nll_mean)
+            losses.append(group.total(loss))
+            pg.step(1, work=len(batch))
     pg.close()
     policy.eval()
+    record_losses(group, losses, time.perf_counter() - t0)
     return {"update/steps": float(len(losses)), "update/n_pairs": float(len(pairs)),
             "update/loss_first": losses[0], "update/loss_last": losses[-1],
             "update/reward_accuracy_last": accs[-1], "update/reward_margin_last": margins[-1],

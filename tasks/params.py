@@ -128,6 +128,7 @@ class TrainRMParams:
     pooling: Literal["last", "mean"] = "last"     # the head reads the last token, or the mean
     head_init: Literal["random", "probe"] = "random"  # probe: fitted on frozen features first
     probe_l2: float = 0.1           # probe: L2 strength (on standardised features)
+    processes: int = 1              # > 1: fine-tuning epochs on N ranks under torchrun (DDP)
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ class UpdateParams:
     algo: Literal["dpo", "ppo"] = "dpo"
     reference: Literal["initial", "previous"] = "initial"
     max_length: int = 96
+    processes: int = 1              # > 1: the DPO update on N ranks under torchrun (DDP)
     dpo: DPOParams = field(default_factory=DPOParams)
     ppo: PPOParams = field(default_factory=PPOParams)
 
@@ -535,6 +537,12 @@ def _check_dpo_and_rm(p: Params, b: _Builder) -> None:
     for key in ("audit_top_n", "audit_random_n", "num_layers"):
         if getattr(rm, key) < 0:
             b.fail(("train_rm", key), "must be >= 0")
+    for path, n in ((("train_rm", "processes"), rm.processes),
+                    (("update", "processes"), p.update.processes)):
+        if n < 1:
+            b.fail(path, f"must be >= 1, got {n}")
+    if p.update.processes > 1 and p.update.algo != "dpo":
+        b.fail(("update", "processes"), f"several processes run DPO only, not {p.update.algo}")
 
 
 def _check_ppo(p: Params, b: _Builder) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ import transformers
 from torch import Tensor
 
 from tasks import layout, lm, progress
+from tasks.distributed import SINGLE, Group, record_losses
 from tasks.logistic import fit_logistic
 from tasks.losses import bradley_terry_margin_loss
 from tasks.params import TrainRMParams
@@ -266,25 +268,35 @@ def ensemble_agreement(margins: Tensor) -> dict[str, float]:
 
 
 def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPair],
-                 p: TrainRMParams, pad_id: int, rng: torch.Generator) -> dict[str, float]:
-    """Fit the (margin) Bradley-Terry loss in place; `rng` orders the data. Returns loss stats."""
+                 p: TrainRMParams, pad_id: int, rng: torch.Generator,
+                 group: Group = SINGLE) -> dict[str, float]:
+    """Fit the (margin) Bradley-Terry loss in place; `rng` orders the data. Returns loss stats.
+    On several ranks (`group`) each takes its shard of every batch and the gradients are
+    summed (tasks/distributed.py): the same steps as one process."""
+    t0 = time.perf_counter()
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=p.weight_decay)
     losses: list[float] = []
     pg = progress.track(p.epochs * -(-len(train) // p.batch_size), "steps", "pairs")
     for _ in range(p.epochs):
         model.train()
-        for batch in prompt_batches(train, p.batch_size, rng):
-            with lm.autocast(p.precision):
-                margins = _margins(model, batch, pad_id, p.pooling)[0]            # (B,)
-            loss = bradley_terry_margin_loss(margins, torch.zeros_like(margins),
-                                             p.margin).mean()   # -log sigma(r_c - r_r - m)
+        for batch in prompt_batches(train, p.batch_size, rng):      # the same on every rank
+            shard = [batch[i] for i in group.shard(torch.arange(len(batch))).tolist()]
             opt.zero_grad()
-            loss.backward()
+            loss = torch.zeros(())
+            if shard:
+                with lm.autocast(p.precision):
+                    margins = _margins(model, shard, pad_id, p.pooling)[0]        # (B,)
+                per_pair = bradley_terry_margin_loss(margins, torch.zeros_like(margins),
+                                                     p.margin)   # -log sigma(r_c - r_r - m)
+                loss = group.batch_loss(per_pair, len(batch))
+                loss.backward()
+            group.sum_grads(model.parameters())
             opt.step()
-            losses.append(loss.item())
+            losses.append(group.total(loss))
             pg.step(1, work=len(batch))
     pg.close()
     model.eval()
+    record_losses(group, losses, time.perf_counter() - t0)
     return {"loss_first": losses[0] if losses else float("nan"),
             "loss_last": losses[-1] if losses else float("nan"), "steps": float(len(losses))}
 

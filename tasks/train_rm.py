@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from tasks import atomic, audit, jsonl, layout, lm, mlflow_model, model_card, stage
+from tasks import atomic, audit, distributed, jsonl, layout, lm, mlflow_model, model_card, stage
+from tasks.distributed import SINGLE, Group
 from tasks.jsonl import DataError
 from tasks.params import Params
 from tasks.records import PreferencePair, parse_pair
@@ -24,10 +25,13 @@ from tasks.reward_model import (EncodedPair, RewardEnsemble, encode_pairs, ensem
 
 
 def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_id: int,
-                  it: int) -> tuple[list[transformers.PreTrainedModel], dict[str, float]]:
+                  it: int, group: Group = SINGLE
+                  ) -> tuple[list[transformers.PreTrainedModel], dict[str, float]]:
     """K members, member i seeded by (seed, it, i); loss stats averaged over members. With
     `head_init: probe` each member's head is first fitted on frozen features: on all pairs at
-    K = 1, on its own bootstrap resample of them at K > 1 (so members differ)."""
+    K = 1, on its own bootstrap resample of them at K > 1 (so members differ). On several
+    ranks every rank fits the probe whole (closed form: nothing to split); the fine-tuning
+    epochs are sharded."""
     rp = p.train_rm
     members, runs = [], []
     for i in range(rp.ensemble):
@@ -40,7 +44,7 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
             run.update(fit_probe_head(model, data, rp, pad_id))
         if rp.epochs > 0:
             run.update(train_reward(model, train, rp, pad_id,
-                                    stage.generator(p.seed, 2, it, i, 1)))          # data order
+                                    stage.generator(p.seed, 2, it, i, 1), group))   # data order
         runs.append(run)
         members.append(model)
     return members, {f"rm/{k}": sum(r[k] for r in runs) / len(runs) for k in runs[0]}
@@ -57,6 +61,11 @@ def read_pool(root: Path, it: int) -> tuple[list[PreferencePair], dict[str, audi
 def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "")
     p, it, root = args.params, args.it, args.root
+    # epochs 0 (the probe alone, closed form): nothing to split, one process
+    group = distributed.enter("tasks.train_rm", argv,
+                              p.train_rm.processes if p.train_rm.epochs > 0 else 1)
+    if group is None:                           # ran on N ranks under torchrun
+        return
     pool, labels = read_pool(root, it)
     pairs, audit_metrics = audit.apply_audit(pool, labels)
     if len(pairs) < 2:
@@ -67,7 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     train, held = heldout_split(pairs, p.train_rm.heldout_fraction)
     enc = lambda ps: encode_pairs(tok, ps, p.model.max_prompt_tokens, p.train_rm.max_length)  # noqa: E731
     enc_train, enc_held = enc(train), enc(held)
-    members, metrics = train_members(backbone, enc_train, p, tok.pad_token_id, it)
+    members, metrics = train_members(backbone, enc_train, p, tok.pad_token_id, it, group)
+    if not group.main:                          # ranks > 0 write nothing
+        distributed.close(group)
+        return
     ensemble = RewardEnsemble(members, p.train_rm.precision, p.train_rm.pooling)
     rm_metrics, stats = ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id)
     metrics.update(rm_metrics)
@@ -91,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     jsonl.write(root / layout.audit_queue(it), queue)
     stage.write_metrics(root, layout.metrics(it, "train_rm"), metrics)
     print(f"train_rm@{it}: {len(members)} member(s), {len(train)} train / {len(held)} held-out "
-          f"pairs, held-out accuracy {metrics['rm/accuracy']:.3f}, {len(queue)} pairs to audit")
+          f"pairs, held-out accuracy {metrics['rm/accuracy']:.3f}, {len(queue)} pairs to audit"
+          + (f", on {group.world} processes" if group.world > 1 else ""))
+    distributed.close(group)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from tasks import atomic, jsonl, layout, lm, mlflow_model, model_card, stage, value_head
+from tasks import (atomic, distributed, jsonl, layout, lm, mlflow_model, model_card, stage,
+                   value_head)
+from tasks.distributed import SINGLE, Group
 from tasks.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
 from tasks.params import Params
 from tasks.ppo import REPLAY_FILE, train_ppo
@@ -29,9 +31,10 @@ def reference_dir(p: Params, it: int) -> str:
 
 
 def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
-            it: int, rng: torch.Generator) -> dict[str, float]:
+            it: int, rng: torch.Generator, group: Group = SINGLE) -> dict[str, float]:
     """DPO on this iteration's on-policy pairs (picked by `pair_source`), plus `offpolicy_mix`
-    of pairs from the previous pool at loss weight `offpolicy_weight`."""
+    of pairs from the previous pool at loss weight `offpolicy_weight`; every rank reads and
+    encodes the same pairs, then trains on its shard of each batch."""
     d, pad = p.update.dpo, tok.pad_token_id  # type: ignore[attr-defined]
     mpt, max_len = p.model.max_prompt_tokens, p.update.max_length
     encode = lambda ps: encode_pairs(tok, ps, mpt, max_len)  # type: ignore[arg-type]  # noqa: E731
@@ -52,7 +55,7 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
                                  stage.generator(p.seed, 7, it))
         offpolicy = encode([pool[i] for i in pick])
     weights = torch.tensor([1.0] * len(onpolicy) + [d.offpolicy_weight] * len(offpolicy))
-    metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, d, pad, rng, weights))
+    metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, d, pad, rng, weights, group))
     metrics.update({"update/n_onpolicy_pairs": float(len(onpolicy)),
                     "update/n_offpolicy_pairs": float(len(offpolicy)),
                     "update/offpolicy_weight": d.offpolicy_weight})
@@ -80,8 +83,10 @@ def _read_rollouts(path: Path) -> list[Rollout]:
 
 
 def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
-            it: int, rng: torch.Generator) -> tuple[dict[str, float], list[Writer]]:
-    """PPO on this iteration's rollouts; with reuse.iterations_back = 1 also on the previous
+            it: int, rng: torch.Generator, group: Group = SINGLE
+            ) -> tuple[dict[str, float], list[Writer]]:
+    """PPO on one process (params reject update.processes > 1 with ppo) on this iteration's
+    rollouts; with reuse.iterations_back = 1 also on the previous
     iteration's, which update@{it-1} kept in its policy directory (a declared out of update@{it-1}
     and dep of update@{it}); the critic starts from update@{it-1}'s value head (value_reuse)."""
     q, pad = p.update.ppo, tok.pad_token_id  # type: ignore[attr-defined]
@@ -105,19 +110,12 @@ ALGORITHMS: dict[str, Callable[..., dict[str, float] | tuple[dict[str, float], l
     = {"dpo": run_dpo, "ppo": run_ppo}
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = stage.parse(argv, __doc__ or "")
-    p, it, root = args.params, args.it, args.root
-    start_dir = root / layout.policy(it - 1)
-    policy, tok = lm.load_causal_lm(start_dir), lm.load_tokenizer(start_dir)
-    ref = lm.load_causal_lm(root / reference_dir(p, it))
-    for q in ref.parameters():
-        q.requires_grad_(False)
-    out = ALGORITHMS[p.update.algo](policy, ref, tok, p, root, it, stage.generator(p.seed, 3, it))
-    metrics, writers = out if isinstance(out, tuple) else (out, [])
+def write_policy(policy: torch.nn.Module, tok: object, p: Params, root: Path, it: int,
+                 metrics: dict[str, float], writers: list[Writer]) -> None:
+    """The policy directory (atomically) and the metrics file: rank 0's outputs."""
     with atomic.directory(root / layout.policy(it)) as tmp:
-        policy.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        policy.save_pretrained(tmp)  # type: ignore[operator]
+        tok.save_pretrained(tmp)  # type: ignore[attr-defined]
         for write in writers:                 # e.g. PPO's value head
             write(tmp)
         atomic.write_json(tmp / layout.MODEL_META, {
@@ -126,7 +124,27 @@ def main(argv: list[str] | None = None) -> None:
         mlflow_model.write_mlflow_model(tmp, "text-generation", {"model_path": layout.policy(it)})
         model_card.write_model_card(tmp, root, "update", it, p, metrics)
     stage.write_metrics(root, layout.metrics(it, "update"), metrics)
-    print(f"update@{it}: {p.update.algo}, {int(metrics['update/steps'])} steps")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = stage.parse(argv, __doc__ or "")
+    p, it, root = args.params, args.it, args.root
+    group = distributed.enter("tasks.update", argv, p.update.processes)
+    if group is None:                         # ran on N ranks under torchrun
+        return
+    start_dir = root / layout.policy(it - 1)
+    policy, tok = lm.load_causal_lm(start_dir), lm.load_tokenizer(start_dir)
+    ref = lm.load_causal_lm(root / reference_dir(p, it))
+    for q in ref.parameters():
+        q.requires_grad_(False)
+    out = ALGORITHMS[p.update.algo](policy, ref, tok, p, root, it, stage.generator(p.seed, 3, it),
+                                    group)
+    metrics, writers = out if isinstance(out, tuple) else (out, [])
+    if group.main:                            # ranks > 0 write nothing
+        write_policy(policy, tok, p, root, it, metrics, writers)
+        print(f"update@{it}: {p.update.algo}, {int(metrics['update/steps'])} steps"
+              + (f" on {group.world} processes" if group.world > 1 else ""))
+    distributed.close(group)
 
 
 if __name__ == "__main__":

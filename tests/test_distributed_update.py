@@ -1,0 +1,127 @@
+"""`update.processes` / `train_rm.processes` = 2: the stage re-launches itself under torchrun
+(gloo on CPU) and each rank trains on its shard of every global batch. On the tiny model the
+per-step losses and the final weights match the one-process run within float32 reduction-order
+noise, and the workspace gains exactly the files the one-process run writes."""
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import run_stage
+
+from flows.workspace import DATA_DIRS
+from tasks import distributed, judge, layout, rollout, stage, train_rm, update
+from tasks.params import ParamsError, parse_params
+
+from test_dpo_family import SETUP
+
+REPO = Path(__file__).resolve().parents[1]
+LOSS_TOL = 1e-5      # per-step loss, absolute: float32 sums in another order, then 4-16 steps
+WEIGHT_TOL = 1e-5    # every weight, absolute (lr 1e-3: a step moves a weight by ~1e-3)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Set-up and iteration 1 up to its reward model (tiny profile): update@1's inputs."""
+    root = tmp_path_factory.mktemp("ddp") / "ws"
+    (root / "params").mkdir(parents=True)
+    for name in DATA_DIRS:
+        shutil.copytree(REPO / "params" / name, root / "params" / name)
+    shutil.copy(REPO / "params" / "tiny.yaml", root / layout.PARAMS_FILE)
+    (root / layout.IMPORT_DIR).mkdir(parents=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(stage.THREADS_ENV, "2")
+        for main in SETUP:
+            run_stage(main, root)
+        for main in (rollout.main, judge.main):
+            run_stage(main, root, 1)
+    yield root
+
+
+# 16 pairs (8 on-policy, 8 off-policy at weight 0.5), batches of 3: 12 steps, the last batch of
+# each epoch a single pair (rank 1's shard empty), the SFT term on
+DPO_EDITS = {"update.dpo.batch_size": 3, "update.dpo.offpolicy_mix": 0.5,
+             "update.dpo.offpolicy_weight": 0.5, "update.dpo.sft_weight": 0.1}
+RM_EDITS = {"train_rm.batch_size": 3, "train_rm.head_init": "random"}
+
+
+def set_keys(path: Path, edits: dict[str, object]) -> None:
+    """Set dotted keys, present or not (`processes` is not in the tiny profile), in a copy."""
+    data = yaml.safe_load(path.read_text())
+    for dotted, value in edits.items():
+        *parents, last = dotted.split(".")
+        node = data
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def files(root: Path) -> set[str]:
+    return {str(f.relative_to(root)) for f in root.rglob("*") if f.is_file()}
+
+
+def run_with(base: Path, tmp: Path, main: object, edits: dict[str, object], section: str, n: int,
+             mp: pytest.MonkeyPatch) -> tuple[Path, set[str], list[float]]:
+    """Run a stage@1 on a fresh copy of base with `section.processes = n`: the workspace, the
+    files it gained and the per-step losses rank 0 recorded."""
+    root = tmp / f"ws{n}"
+    shutil.copytree(base, root)
+    set_keys(root / layout.PARAMS_FILE, {**edits, f"{section}.processes": n})
+    losses = tmp / f"losses{n}.json"
+    mp.setenv(stage.THREADS_ENV, "2")
+    mp.setenv(distributed.LOSSES_ENV, str(losses))
+    before = files(root)
+    run_stage(main, root, 1)
+    return root, files(root) - before, json.loads(losses.read_text())["losses"]
+
+
+def assert_same_run(one: tuple[Path, set[str], list[float]],
+                    two: tuple[Path, set[str], list[float]], model_dir: str) -> None:
+    (root1, new1, losses1), (root2, new2, losses2) = one, two
+    assert new1 == new2                                    # the same files, nothing from rank 1
+    assert len(losses1) == len(losses2) >= 8
+    assert losses2 == pytest.approx(losses1, abs=LOSS_TOL, rel=0)
+    w1 = load_file(str(root1 / model_dir / "model.safetensors"))
+    w2 = load_file(str(root2 / model_dir / "model.safetensors"))
+    assert w1.keys() == w2.keys()
+    diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+    assert diff <= WEIGHT_TOL, diff
+    gap = max(abs(a - b) for a, b in zip(losses1, losses2))
+    print(f"{model_dir}: {len(losses1)} steps, max |loss diff| {gap:.2e}, max |weight diff| "
+          f"{diff:.2e}")
+    w0 = load_file(str(root1 / layout.policy(0) / "model.safetensors"))
+    assert any(not torch.equal(w0[k], w2[k]) for k in w2 if ".layers." in k and k in w0)
+
+def test_dpo_update_on_two_processes_matches_one(base: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    one = run_with(base, tmp_path, update.main, DPO_EDITS, "update", 1, monkeypatch)
+    two = run_with(base, tmp_path, update.main, DPO_EDITS, "update", 2, monkeypatch)
+    assert sorted(x for x in one[1] if not x.startswith(layout.policy(1))) == \
+        [layout.metrics(1, "update")]                      # one policy dir, one metrics file
+    assert_same_run(one, two, layout.policy(1))
+    m1, m2 = (json.loads((r / layout.metrics(1, "update")).read_text()) for r in (one[0], two[0]))
+    assert m1.keys() == m2.keys()
+    assert m2 == pytest.approx(m1, abs=1e-4)
+
+
+def test_rm_fine_tuning_on_two_processes_matches_one(base: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    one = run_with(base, tmp_path, train_rm.main, RM_EDITS, "train_rm", 1, monkeypatch)
+    two = run_with(base, tmp_path, train_rm.main, RM_EDITS, "train_rm", 2, monkeypatch)
+    assert_same_run(one, two, layout.reward_model(1))
+
+
+def test_processes_must_be_positive_and_dpo_only() -> None:
+    text = (REPO / "params" / "tiny.yaml").read_text()
+    with pytest.raises(ParamsError, match=r"tiny.yaml:\d+: update.processes: must be >= 1"):
+        parse_params(text.replace("  algo: dpo ", "  processes: 0\n  algo: dpo ", 1), "tiny.yaml")
+    with pytest.raises(ParamsError, match="update.processes: several processes run DPO only"):
+        parse_params(text.replace("  algo: dpo ", "  processes: 2\n  algo: ppo ", 1), "tiny.yaml")
