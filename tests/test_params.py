@@ -209,7 +209,8 @@ def test_http_judge_profile_differs_from_default_only_in_the_judge() -> None:
         .split("\njudge:\n")[1].split("\n\n", 1)[1]      # the same text after the judge
 
 
-WORKERS = {("rollout", "workers"), ("judge", "workers"), ("evaluate", "workers")}
+WORKERS = {("rollout", "workers"), ("judge", "workers"), ("evaluate", "workers"),
+           ("update", "processes"), ("train_rm", "processes")}
 
 
 def leaves(d: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
@@ -221,8 +222,8 @@ def leaves(d: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], objec
 
 
 def test_distributed_profile_differs_from_tiny_only_in_the_workers() -> None:
-    """tiny-distributed: the tiny loop on 2 Ray workers per sampling and judging stage, never
-    a copy that drifted; tiny itself runs without Ray."""
+    """tiny-distributed: the tiny loop on 2 Ray workers per sampling and judging stage and 2
+    torchrun processes per update, never a copy that drifted; tiny itself runs without Ray."""
     tiny = leaves(to_dict(load_params(PARAMS_DIR / "tiny.yaml")))
     dist = leaves(to_dict(load_params(PARAMS_DIR / "tiny-distributed.yaml")))
     assert tiny.keys() == dist.keys() and WORKERS <= tiny.keys()

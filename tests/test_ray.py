@@ -84,19 +84,27 @@ def test_judging_on_two_workers_equals_one_process(ray_address: str, tmp_path: P
 def test_distributed_profile_through_the_cli_writes_the_tiny_run_bytes(
         tiny_run: dict[str, object], ray_address: str, tmp_path: Path) -> None:
     """`alignloop run --params params/tiny-distributed.yaml`: rollouts, judging and evaluate's
-    samples on 2 Ray workers each (the session's cluster, through RAY_ADDRESS), everything
-    else as tiny: the same bytes as the 1-worker tiny run, one set of outputs, one commit and
-    one registered policy per iteration."""
+    samples on 2 Ray workers each (the session's cluster, through RAY_ADDRESS), the DPO update
+    and the RM on 2 torchrun processes, everything else as tiny. What the initial policy
+    samples and the judge pairs are tiny's bytes; the updates' losses are tiny's within 1e-5;
+    one set of outputs, one commit and one registered policy per iteration."""
     ws, tiny = tmp_path / "ws", Path(str(tiny_run["ws"]))
     run_cli("run", "--params", str(ROOT / "params" / "tiny-distributed.yaml"),
             "--workspace", str(ws), env={"RAY_ADDRESS": ray_address})
+    for rel in ("data/reference/heldout_samples.jsonl", layout.pairs_pool(0),
+                layout.rollouts(1), layout.pairs(1), layout.pairs_pool(1)):
+        assert (ws / rel).read_bytes() == (tiny / rel).read_bytes(), rel
     for it in (1, 2):
-        for rel in (layout.rollouts(it), layout.pairs(it), layout.pairs_pool(it),
-                    layout.eval_samples(it)):
-            assert (ws / rel).read_bytes() == (tiny / rel).read_bytes(), rel
-    outs = lambda root: {o["path"]: o["md5"] for e in yaml.safe_load(  # noqa: E731
+        for name, keys in (("update", ("update/loss_first", "update/loss_last")),
+                           ("train_rm", ("rm/loss_first", "rm/loss_last"))):
+            got, want = (json.loads((root / layout.metrics(it, name)).read_text())
+                         for root in (ws, tiny))
+            for k in keys:
+                assert got[k] == pytest.approx(want[k], abs=1e-5), (it, k)
+        assert (ws / layout.policy(it) / "model.safetensors").is_file()
+    outs = lambda root: {o["path"] for e in yaml.safe_load(  # noqa: E731
         (root / "dvc.lock").read_text())["stages"].values() for o in e["outs"]}
-    assert outs(ws) == outs(tiny)                 # every stage's outputs, models included
+    assert outs(ws) == outs(tiny)                 # one set of outputs, the same ones
     log = subprocess.run(["git", "log", "--format=%s"], cwd=ws, capture_output=True,
                          text=True).stdout.splitlines()
     assert [m for m in log if m.startswith("alignloop: iteration")] == [
