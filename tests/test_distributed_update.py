@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from functools import reduce
 from pathlib import Path
 
 import pytest
@@ -120,8 +121,11 @@ def test_rm_fine_tuning_on_two_processes_matches_one(base: Path, tmp_path: Path,
 
 
 def test_processes_must_be_positive_and_dpo_only() -> None:
-    text = (REPO / "params" / "tiny.yaml").read_text()
+    head, update_etc = (REPO / "params" / "tiny.yaml").read_text().split("\nupdate:\n", 1)
+    edit = lambda *pairs: head + "\nupdate:\n" + reduce(  # noqa: E731
+        lambda t, p: t.replace(p[0], p[1], 1), pairs, update_etc)
     with pytest.raises(ParamsError, match=r"tiny.yaml:\d+: update.processes: must be >= 1"):
-        parse_params(text.replace("  algo: dpo ", "  processes: 0\n  algo: dpo ", 1), "tiny.yaml")
+        parse_params(edit(("processes: 1 ", "processes: 0 ")), "tiny.yaml")
     with pytest.raises(ParamsError, match="update.processes: several processes run DPO only"):
-        parse_params(text.replace("  algo: dpo ", "  processes: 2\n  algo: ppo ", 1), "tiny.yaml")
+        parse_params(edit(("processes: 1 ", "processes: 2 "), ("algo: dpo ", "algo: ppo ")),
+                     "tiny.yaml")

@@ -188,7 +188,7 @@ def test_bad_audit_label_fails_in_one_line_and_leaves_the_workspace_byte_identic
     before = snapshot(ws, cache=False)            # the person's edit is part of "before"
     line = _one_line_failure(run_cli("run", "--workspace", str(ws), check=False))
     assert "audit/labels.jsonl:2" in line and "verdict" in line, line
-    assert "stage train_rm@1 failed" in line
+    assert "stage judge@1 failed" in line     # the first reader: judge/audit_agreement
     assert snapshot(ws, cache=False) == before
     assert _git(ws, "rev-parse", "HEAD") == head
 
