@@ -103,6 +103,21 @@ def set_params(path: Path, **edits: object) -> None:
     load_params(path)
 
 
+def tiny_stage_workspace(root: Path) -> Path:
+    """A workspace for calling stage mains directly: the versioned data the stages read, the
+    tiny profile as params.yaml and an empty import directory."""
+    import shutil
+
+    from flows.workspace import DATA_DIRS
+    from tasks import layout
+    (root / "params").mkdir(parents=True)
+    for name in DATA_DIRS:
+        shutil.copytree(ROOT / "params" / name, root / "params" / name)
+    shutil.copy(TINY, root / layout.PARAMS_FILE)
+    (root / layout.IMPORT_DIR).mkdir(parents=True)
+    return root
+
+
 def run_stage(main: object, root: Path, it: int = 0) -> None:
     """Call a stage edge's main() on a workspace root, as its dvc.yaml cmd would."""
     main(["--root", str(root), "--it", str(it)])  # type: ignore[operator]

@@ -15,9 +15,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import run_stage
+from conftest import run_stage, tiny_stage_workspace
 
-from flows.workspace import DATA_DIRS
 from tasks import distributed, judge, layout, rollout, stage, train_rm, update
 from tasks.params import ParamsError, parse_params
 
@@ -31,12 +30,7 @@ WEIGHT_TOL = 1e-5    # every weight, absolute (lr 1e-3: a step moves a weight by
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Set-up and iteration 1 up to its reward model (tiny profile): update@1's inputs."""
-    root = tmp_path_factory.mktemp("ddp") / "ws"
-    (root / "params").mkdir(parents=True)
-    for name in DATA_DIRS:
-        shutil.copytree(REPO / "params" / name, root / "params" / name)
-    shutil.copy(REPO / "params" / "tiny.yaml", root / layout.PARAMS_FILE)
-    (root / layout.IMPORT_DIR).mkdir(parents=True)
+    root = tiny_stage_workspace(tmp_path_factory.mktemp("ddp") / "ws")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(stage.THREADS_ENV, "2")
         for main in SETUP:

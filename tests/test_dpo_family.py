@@ -14,9 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_stage, set_params
+from conftest import run_stage, set_params, tiny_stage_workspace
 
-from flows.workspace import DATA_DIRS
 from tasks import (audit, collect_offpolicy, evaluate, jsonl, judge, layout, lm, prepare_model,
                    prompts, reference_samples, reward_model, rollout, stage, train_rm, update)
 from tasks.dpo import _pair_logprobs, offpolicy_indices
@@ -105,12 +104,7 @@ def records(root: Path, rel: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Set-up, iteration 1 in full, and iteration 2 up to its reward model (tiny profile)."""
-    root = tmp_path_factory.mktemp("dpo_family") / "ws"
-    (root / "params").mkdir(parents=True)
-    for name in DATA_DIRS:                          # the versioned data the stages read
-        shutil.copytree(REPO / "params" / name, root / "params" / name)
-    shutil.copy(REPO / "params" / "tiny.yaml", root / layout.PARAMS_FILE)
-    (root / layout.IMPORT_DIR).mkdir(parents=True)
+    root = tiny_stage_workspace(tmp_path_factory.mktemp("dpo_family") / "ws")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(stage.THREADS_ENV, "2")
         for main in SETUP:
