@@ -5,9 +5,9 @@ The loss is `update.dpo.loss`: sigmoid (DPO), ipo (on per-token mean log-ratios)
 of the chosen response (RPO, Pang et al. 2024, "Iterative Reasoning Preference Optimization"),
 which keeps pulling toward the judge's best sample once the preference term has saturated on
 a small pair set (DPO alone drives its loss to ~0 on 48 pairs and can then drift into text the
-reference finds unlikely). Pairs are on-policy (best vs worst of the current policy's K samples, by
-the judge or by the reward model, `rm_best_vs_worst`), optionally mixed with a weighted share of
-off-policy pairs from the previous pool (`offpolicy_indices`).
+reference finds unlikely). Pairs are on-policy (best vs worst of the current policy's K
+samples, by the judge or by the reward model, `rm_best_vs_worst`), optionally mixed with a
+weighted share of off-policy pairs from the previous pool (`offpolicy_indices`).
 """
 from __future__ import annotations
 

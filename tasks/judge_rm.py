@@ -11,8 +11,9 @@ Responses are re-tokenised from their text with EOS appended (`lm.encode_respons
 reward model from elsewhere reads a finished text; the prompt through the RM's own chat
 template, at most `max_length` tokens each. A model from elsewhere (no reward_stats.json of
 ours) is read where its own HF forward reads: at the last token that is not its config's pad
-token, so with pad = EOS (common) at the token before the EOS; ours where they were trained. Its identity (`version`) is the directory name and
-the md5 of its weights: recorded in every pair's `meta.judge`.
+token, so with pad = EOS (common) at the token before the EOS; ours where they were trained.
+Its identity (`version`) is the directory name and the md5 of its weights: recorded in every
+pair's `meta.judge`.
 """
 from __future__ import annotations
 

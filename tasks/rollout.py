@@ -28,7 +28,7 @@ def load_prompts(path: str, limit: int | None = None,
     return [rows[(offset + i) % len(rows)] for i in range(min(limit, len(rows)))]
 
 
-def sample_rollouts(model: torch.nn.Module, tok: transformers.PreTrainedTokenizerBase,
+def sample_rollouts(model: torch.nn.Module | None, tok: transformers.PreTrainedTokenizerBase,
                     prompts: Sequence[tuple[str, Prompt]], k: int, gen: GenerationParams,
                     max_prompt_tokens: int, policy_version: str, iteration: int,
                     rng: torch.Generator, workers: int = 1,
@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "")
     p, it = args.params, args.it
     policy_dir = args.root / layout.policy(it - 1)
-    model, tok = lm.load_causal_lm(policy_dir), lm.load_tokenizer(policy_dir)
+    tok = lm.load_tokenizer(policy_dir)
+    # with Ray workers each loads its own replica: the stage process needs none
+    model = lm.load_causal_lm(policy_dir) if p.rollout.workers == 1 else None
     prompts = load_prompts(str(args.root / layout.PROMPTS_TRAIN), p.rollout.n_prompts,
                            offset=(it - 1) * p.rollout.n_prompts)
     rollouts = sample_rollouts(model, tok, prompts, p.rollout.samples_per_prompt,
