@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from tasks import lm
+
 
 def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, inner: int = 3) -> float:
     """Best GFLOP/s over `repeats` timings of `inner` back-to-back n^3 matmuls."""
@@ -29,7 +31,11 @@ def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, inner: in
 
 
 def measure_peaks(n: int = 2048, repeats: int = 5) -> dict[str, float]:
-    """{"fp32_gflops", "bf16_gflops", "threads", "n"} at the current torch thread count."""
+    """{"fp32_gflops", "bf16_gflops", "bf16_native", "threads", "n"} at the current torch
+    thread count. Without native bf16 kernels (tasks/lm.py: native_bf16) bf16 is timed at
+    n = 256 (torch's reference kernels: ~1 GFLOP/s, minutes at n = 2048)."""
+    native = lm.native_bf16()
     return {"fp32_gflops": round(matmul_gflops(torch.float32, n, repeats), 1),
-            "bf16_gflops": round(matmul_gflops(torch.bfloat16, n, repeats), 1),
-            "threads": torch.get_num_threads(), "n": n}
+            "bf16_gflops": round(matmul_gflops(torch.bfloat16, n if native else 256,
+                                               repeats if native else 2, 1 if not native else 3), 1),
+            "bf16_native": float(native), "threads": torch.get_num_threads(), "n": n}

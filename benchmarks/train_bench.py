@@ -367,8 +367,8 @@ def measure_train_mfu(model_dir: Path, quick: bool = False,
         base, bench = benches[kind]
         # the profile may already pick bf16: fp32 is set explicitly, not taken as given
         variants = [("fp32", with_precision(base, "fp32") or base)]
-        if (bf16 := with_precision(base, "bf16")) is not None:
-            variants.append(("bf16", bf16))
+        if (bf16 := with_precision(base, "bf16")) is not None and lm.native_bf16():
+            variants.append(("bf16", bf16))       # not without native bf16 kernels: ~70x slower
         entry: dict[str, Any] = {"precision_switch": precision_field(base),
                                  "profile_precision": getattr(base, precision_field(base) or "",
                                                               "fp32")}

@@ -123,7 +123,8 @@ class TrainRMParams:
     ensemble: int = 1               # K members, differing by seed (head init, data order)
     audit_top_n: int = 8            # audit queue: new pairs the members disagree on most
     audit_random_n: int = 8         # audit queue: plus a seeded random sample of judge labels
-    precision: Literal["fp32", "bf16"] = "fp32"   # bf16: autocast matmuls (training and scoring)
+    precision: Literal["auto", "fp32", "bf16"] = "fp32"  # bf16: autocast matmuls (training,
+                                    # scoring); auto: bf16 where the CPU has native bf16 matmuls
     num_layers: int = 0             # keep the backbone's first N blocks (0 = all)
     pooling: Literal["last", "mean"] = "last"     # the head reads the last token, or the mean
     head_init: Literal["random", "probe"] = "random"  # probe: fitted on frozen features first
@@ -143,7 +144,8 @@ class DPOParams:
     pair_source: Literal["judge", "rm"] = "judge"   # who picks best vs worst of the K rollouts
     offpolicy_mix: float = 0.0      # fraction of training pairs drawn from the previous pool
     offpolicy_weight: float = 1.0   # loss weight of those off-policy pairs
-    precision: Literal["fp32", "bf16"] = "fp32"   # bf16: autocast matmuls (policy and reference)
+    precision: Literal["auto", "fp32", "bf16"] = "fp32"  # bf16: autocast matmuls (policy and
+                                    # reference); auto: bf16 where the CPU has native bf16 matmuls
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     rm_metrics, stats = ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id)
     metrics.update(rm_metrics)
     metrics.update(audit_metrics)
+    metrics["rm/bf16"] = float(lm.effective_precision(p.train_rm.precision) == "bf16")
     metrics["rm/n_onpolicy"] = float(sum(1 for x in pairs if x.source.startswith("iter_")))
     new = [x for x in pool if x.source == f"iter_{it}"]         # the judge's labels, unaudited
     queue = audit.build_queue(new, pair_margins(ensemble, enc(new), tok.pad_token_id), labels,
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     with atomic.directory(root / layout.reward_model(it)) as tmp:
         save_reward_model(members, tmp)
         tok.save_pretrained(tmp)
-        save_stats(tmp, {**stats, "precision": p.train_rm.precision,
+        save_stats(tmp, {**stats, "precision": lm.effective_precision(p.train_rm.precision),
                          "pooling": p.train_rm.pooling})
         atomic.write_json(tmp / layout.MODEL_META, {"iteration": it, "role": "reward_model",
                                                     "pairs": len(pairs), "ensemble": len(members)})

@@ -56,7 +56,8 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
         offpolicy = encode([pool[i] for i in pick])
     weights = torch.tensor([1.0] * len(onpolicy) + [d.offpolicy_weight] * len(offpolicy))
     metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, d, pad, rng, weights, group))
-    metrics.update({"update/n_onpolicy_pairs": float(len(onpolicy)),
+    metrics.update({"update/bf16": float(lm.effective_precision(d.precision) == "bf16"),
+                    "update/n_onpolicy_pairs": float(len(onpolicy)),
                     "update/n_offpolicy_pairs": float(len(offpolicy)),
                     "update/offpolicy_weight": d.offpolicy_weight})
     return metrics

@@ -321,3 +321,28 @@ def test_audited_labels_override_the_judge_in_the_next_training(ens: Path, tmp_p
     assert not again & {queue[0]["pair_id"], queue[1]["pair_id"]}      # not queued twice
     # the judge's own records are untouched: the override lives in the labels file only
     assert records(root, layout.pairs_pool(1)) == records(ens, layout.pairs_pool(1))
+
+
+# --- precision: auto ---------------------------------------------------------------------------
+
+def test_precision_auto_trains_in_what_this_cpu_runs_natively(ws: Path, tmp_path: Path) -> None:
+    """`precision: auto` (the default profiles') is bf16 only where the CPU has native bf16
+    matmuls, else fp32: update@1 and train_rm@2 under auto write the same bytes as under the
+    precision it resolves to here, and say which one ran."""
+    here = lm.effective_precision("auto")
+    assert here == ("bf16" if lm.native_bf16() else "fp32")
+    explicit = tmp_path / "explicit"
+    shutil.copytree(ws, explicit)
+    for root, value in ((ws, "auto"), (explicit, here)):
+        set_params(root / layout.PARAMS_FILE, update__dpo__precision=value,
+                   train_rm__precision=value)
+        run_stage(update.main, root, 1)
+        run_stage(train_rm.main, root, 2)
+    for rel in (layout.policy(1), layout.reward_model(2)):
+        files = sorted(p.relative_to(ws / rel) for p in (ws / rel).rglob("*.safetensors"))
+        assert files
+        for f in files:
+            assert (ws / rel / f).read_bytes() == (explicit / rel / f).read_bytes(), f
+    assert metrics(ws, 1, "update")["update/bf16"] == float(here == "bf16")
+    assert metrics(ws, 2, "train_rm")["rm/bf16"] == float(here == "bf16")
+    assert reward_model.load_stats(ws / layout.reward_model(2))["precision"] == here
