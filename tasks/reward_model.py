@@ -127,6 +127,53 @@ def features(model: transformers.PreTrainedModel, prompts: Sequence[Sequence[int
     return torch.where(empty, hidden[pk.rows, pk.last_positions()], total / mask.sum(1).clamp(min=1))
 
 
+Key = tuple[tuple[int, ...], tuple[int, ...]]      # (prompt ids, response ids)
+
+
+class FrozenFeatures:
+    """The head's input features of each (prompt, response), computed once by a backbone that
+    no longer changes (`train_rm.epochs: 0`: the probe alone), so that fitting the probe,
+    scoring the train and held-out pairs and the audit queue's margins share one forward per
+    response instead of three. Missing keys are computed in batches of `batch_size` in the
+    order asked, as fit_probe_head batches them without a cache (the same probe, bit for bit,
+    for one member); the members of an ensemble share the backbone and so the features."""
+
+    def __init__(self, model: transformers.PreTrainedModel, pad_id: int, pooling: str,
+                 precision: str, batch_size: int = 32):
+        self.model, self.pad_id, self.pooling = model, pad_id, pooling
+        self.precision, self.batch_size = precision, batch_size
+        self.rows: dict[Key, Tensor] = {}
+
+    @torch.no_grad()
+    def get(self, keys: Sequence[Key]) -> Tensor:
+        """(U, H) fp32 features of `keys`."""
+        missing = list(dict.fromkeys(k for k in keys if k not in self.rows))
+        with lm.autocast(self.precision):
+            for s in range(0, len(missing), self.batch_size):
+                chunk = missing[s: s + self.batch_size]
+                f = features(self.model, [k[0] for k in chunk], [k[1] for k in chunk],
+                             self.pad_id, self.pooling).float()                   # (b, H)
+                self.rows.update(zip(chunk, f))
+        return torch.stack([self.rows[k] for k in keys]) if keys else torch.zeros(0, 0)
+
+    @torch.no_grad()
+    def pair_rewards(self, heads: Sequence[torch.nn.Module], data: Sequence[EncodedPair]
+                     ) -> tuple[Tensor, Tensor]:
+        """Every head's (K, N) rewards of the pairs' chosen and rejected responses; a head is
+        a member's `score` layer."""
+        if not data:
+            return torch.zeros(len(heads), 0), torch.zeros(len(heads), 0)
+        chosen = self.get([(e.prompt_ids, e.chosen_ids) for e in data])            # (N, H)
+        rejected = self.get([(e.prompt_ids, e.rejected_ids) for e in data])
+        return tuple(torch.stack([h(x).squeeze(-1).float() for h in heads])          # (K, N)
+                     for x in (chosen, rejected))  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def margins(self, heads: Sequence[torch.nn.Module], data: Sequence[EncodedPair]) -> Tensor:
+        """Every head's margin on every pair, (K, N): pair_margins from the cache."""
+        return torch.sub(*self.pair_rewards(heads, data))
+
+
 def _single_rewards(model: transformers.PreTrainedModel, prompts: Sequence[Sequence[int]],
                     responses: Sequence[Sequence[int]], pad_id: int,
                     pooling: str = "last") -> Tensor:
@@ -302,21 +349,20 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
 
 
 def fit_probe_head(model: transformers.PreTrainedModel, train: Sequence[EncodedPair],
-                   p: TrainRMParams, pad_id: int, batch_size: int = 32) -> dict[str, float]:
+                   p: TrainRMParams, pad_id: int, batch_size: int = 32,
+                   cache: FrozenFeatures | None = None) -> dict[str, float]:
     """Set the head to the Bradley-Terry logistic regression on frozen features: w minimising
     -log sigma(w . (h_c - h_r)) + l2 |w|^2 over the pairs, on features standardised by their
-    std (so one `probe_l2` fits any width), then folded back into the plain linear head."""
+    std (so one `probe_l2` fits any width), then folded back into the plain linear head.
+    `cache`: the features from there (model's backbone must be the cache's)."""
     model.eval()
-    index: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    index: dict[Key, int] = {}
     for e in train:
         for side in (e.chosen_ids, e.rejected_ids):
             index.setdefault((e.prompt_ids, side), len(index))
     keys = list(index)
-    with torch.no_grad(), lm.autocast(p.precision):
-        feats = torch.cat([features(model, [k[0] for k in keys[s: s + batch_size]],
-                                    [k[1] for k in keys[s: s + batch_size]], pad_id,
-                                    p.pooling).float()
-                           for s in range(0, len(keys), batch_size)])                 # (U, H)
+    cache = cache or FrozenFeatures(model, pad_id, p.pooling, p.precision, batch_size)
+    feats = cache.get(keys)                                                            # (U, H)
     diff = torch.stack([feats[index[(e.prompt_ids, e.chosen_ids)]]
                         - feats[index[(e.prompt_ids, e.rejected_ids)]] for e in train])  # (N, H)
     scale = diff.std(0) + 1e-6
@@ -342,14 +388,24 @@ def pair_rewards(model: RewardModel, data: Sequence[EncodedPair], pad_id: int,
     return torch.cat([c for c, _ in both], dim=1), torch.cat([r for _, r in both], dim=1)
 
 
+def heads(model: RewardModel) -> list[torch.nn.Module]:
+    """Each member's `score` layer (the head on the features)."""
+    members = model.members if isinstance(model, RewardEnsemble) else [model]
+    return [m.score for m in members]
+
+
 def ensemble_metrics(model: RewardModel, train: Sequence[EncodedPair],
-                     heldout: Sequence[EncodedPair], pad_id: int
+                     heldout: Sequence[EncodedPair], pad_id: int,
+                     cache: FrozenFeatures | None = None
                      ) -> tuple[dict[str, float], dict[str, float]]:
     """`rm/` metrics of a trained (ensemble) reward model on its train and held-out pairs, and
     the normalisation stats (mean, std of the ensemble-mean reward over the training
-    responses): one scoring pass over each set serves both."""
-    held = ensemble_agreement(torch.sub(*pair_rewards(model, heldout, pad_id)))
-    r_c, r_r = pair_rewards(model, train, pad_id)                         # (K, N) each
+    responses): one scoring pass over each set serves both (none with a `cache` of the
+    frozen backbone's features: the heads on them)."""
+    score = ((lambda d: cache.pair_rewards(heads(model), d)) if cache is not None
+             else (lambda d: pair_rewards(model, d, pad_id)))
+    held = ensemble_agreement(torch.sub(*score(heldout)))
+    r_c, r_r = score(train)                                               # (K, N) each
     flat = torch.cat([r_c.mean(0), r_r.mean(0)]) if train else torch.zeros(1)
     stats = {"mean": float(flat.mean()), "std": float(flat.std()) if flat.numel() > 1 else 1.0}
     metrics = {"rm/accuracy": held["accuracy"], "rm/member_accuracy": held["member_accuracy"],

@@ -19,35 +19,41 @@ from tasks.distributed import SINGLE, Group
 from tasks.jsonl import DataError
 from tasks.params import Params
 from tasks.records import PreferencePair, parse_pair
-from tasks.reward_model import (EncodedPair, RewardEnsemble, encode_pairs, ensemble_metrics,
-                                fit_probe_head, heldout_split, init_reward_model, pair_margins,
-                                save_reward_model, save_stats, train_reward)
+from tasks.reward_model import (EncodedPair, FrozenFeatures, RewardEnsemble, encode_pairs,
+                                ensemble_metrics, fit_probe_head, heads, heldout_split,
+                                init_reward_model, pair_margins, save_reward_model, save_stats,
+                                train_reward)
 
 
 def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_id: int,
                   it: int, group: Group = SINGLE
-                  ) -> tuple[list[transformers.PreTrainedModel], dict[str, float]]:
+                  ) -> tuple[list[transformers.PreTrainedModel], dict[str, float],
+                             FrozenFeatures | None]:
     """K members, member i seeded by (seed, it, i); loss stats averaged over members. With
     `head_init: probe` each member's head is first fitted on frozen features: on all pairs at
     K = 1, on its own bootstrap resample of them at K > 1 (so members differ). On several
     ranks every rank fits the probe whole (closed form: nothing to split); the fine-tuning
-    epochs are sharded."""
+    epochs are sharded. Without fine-tuning (epochs 0) the backbone stays as loaded, and its
+    features (shared by all members) come back for scoring."""
     rp = p.train_rm
     members, runs = [], []
+    cache = None
     for i in range(rp.ensemble):
         model = init_reward_model(backbone, stage.generator(p.seed, 2, it, i, 0),   # head init
                                   rp.num_layers)
+        if rp.epochs == 0 and cache is None:
+            cache = FrozenFeatures(model, pad_id, rp.pooling, rp.precision)
         run: dict[str, float] = {}
         if rp.head_init == "probe" and train:
             data = train if rp.ensemble == 1 else [train[j] for j in torch.randint(
                 len(train), (len(train),), generator=stage.generator(p.seed, 2, it, i, 2))]
-            run.update(fit_probe_head(model, data, rp, pad_id))
+            run.update(fit_probe_head(model, data, rp, pad_id, cache=cache))
         if rp.epochs > 0:
             run.update(train_reward(model, train, rp, pad_id,
                                     stage.generator(p.seed, 2, it, i, 1), group))   # data order
         runs.append(run)
         members.append(model)
-    return members, {f"rm/{k}": sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+    return members, {f"rm/{k}": sum(r[k] for r in runs) / len(runs) for k in runs[0]}, cache
 
 
 def read_pool(root: Path, it: int) -> tuple[list[PreferencePair], dict[str, audit.AuditLabel]]:
@@ -76,18 +82,20 @@ def main(argv: list[str] | None = None) -> None:
     train, held = heldout_split(pairs, p.train_rm.heldout_fraction)
     enc = lambda ps: encode_pairs(tok, ps, p.model.max_prompt_tokens, p.train_rm.max_length)  # noqa: E731
     enc_train, enc_held = enc(train), enc(held)
-    members, metrics = train_members(backbone, enc_train, p, tok.pad_token_id, it, group)
+    members, metrics, cache = train_members(backbone, enc_train, p, tok.pad_token_id, it, group)
     if not group.main:                          # ranks > 0 write nothing
         distributed.close(group)
         return
     ensemble = RewardEnsemble(members, p.train_rm.precision, p.train_rm.pooling)
-    rm_metrics, stats = ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id)
+    rm_metrics, stats = ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id, cache)
     metrics.update(rm_metrics)
     metrics.update(audit_metrics)
     metrics["rm/bf16"] = float(lm.effective_precision(p.train_rm.precision) == "bf16")
     metrics["rm/n_onpolicy"] = float(sum(1 for x in pairs if x.source.startswith("iter_")))
     new = [x for x in pool if x.source == f"iter_{it}"]         # the judge's labels, unaudited
-    queue = audit.build_queue(new, pair_margins(ensemble, enc(new), tok.pad_token_id), labels,
+    margins = (cache.margins(heads(ensemble), enc(new)) if cache is not None
+               else pair_margins(ensemble, enc(new), tok.pad_token_id))
+    queue = audit.build_queue(new, margins, labels,
                               p.train_rm.audit_top_n, p.train_rm.audit_random_n,
                               stage.generator(p.seed, 6, it))
     metrics["rm/audit_queue_n"] = float(len(queue))

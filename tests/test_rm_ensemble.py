@@ -301,3 +301,55 @@ def test_mean_pooling_and_the_probe_head_learn_a_word_preference(tmp_path: Path)
         both = member_rewards(ens, [x, x], [y1, y2], 0)[0].tolist()
         alone = [float(member_rewards(ens, [x], [y], 0)) for y in (y1, y2)]
     assert both == pytest.approx(alone, abs=1e-5)
+
+
+def test_frozen_features_give_the_same_probe_and_metrics_as_rescoring(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `epochs: 0` train_rm computes each response's features once (FrozenFeatures) and
+    fits the probe, scores train / held-out pairs and the audit margins from them: the probe's
+    weights are the uncached fit's bit for bit (one member), the metrics and margins those of
+    scoring the pairs again through the model (to float32 noise), and a response seen in many
+    pairs goes through the backbone once."""
+    from tasks.params import TinyModelParams, TrainRMParams
+    from tasks.reward_model import (EncodedPair, FrozenFeatures, ensemble_metrics,
+                                    fit_probe_head, heads, init_reward_model, pair_margins)
+    from tasks.tiny_model import save_tiny
+    save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
+    g = torch.Generator().manual_seed(5)
+    pool = []                       # 12 prompts x 4 samples, every pair of them: 6 per prompt
+    for _ in range(12):
+        x = tuple(torch.randint(20, 60, (5,), generator=g).tolist())
+        ys = [tuple(torch.randint(20, 60, (int(torch.randint(2, 7, (1,), generator=g)),),
+                                  generator=g).tolist()) for _ in range(4)]
+        pool += [EncodedPair(x, ys[i], ys[j]) for i in range(4) for j in range(i + 1, 4)]
+    train, held = pool[:54], pool[54:]
+    p = TrainRMParams(pooling="mean", head_init="probe", epochs=0, probe_l2=0.1)
+    plain = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
+    fit_probe_head(plain, train, p, pad_id=0)
+    cached = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
+    cache = FrozenFeatures(cached, 0, p.pooling, p.precision)
+    from tasks import reward_model
+    computed: list[int] = []       # responses through the cached model's backbone
+    real = reward_model.features
+
+    def counting(model, prompts, responses, *a, **k):  # type: ignore[no-untyped-def]
+        if model is cached:
+            computed.append(len(responses))
+        return real(model, prompts, responses, *a, **k)
+    monkeypatch.setattr(reward_model, "features", counting)
+    fit_probe_head(cached, train, p, pad_id=0, cache=cache)
+    assert torch.equal(cached.score.weight, plain.score.weight)
+    for members in ([plain], [plain, init_reward_model(tmp_path, torch.Generator().manual_seed(1))]):
+        ens = RewardEnsemble(members, "fp32", "mean")
+        with_cache, stats_c = ensemble_metrics(ens, train, held, 0, cache)
+        again, stats_a = ensemble_metrics(ens, train, held, 0)
+        for k in ("rm/accuracy", "rm/train_accuracy", "rm/ensemble_disagreement"):
+            assert with_cache[k] == again[k], k
+        assert with_cache["rm/ensemble_margin_std"] == pytest.approx(
+            again["rm/ensemble_margin_std"], abs=1e-5)
+        assert (stats_c["mean"], stats_c["std"]) == pytest.approx(
+            (stats_a["mean"], stats_a["std"]), abs=1e-5)
+        assert torch.allclose(cache.margins(heads(ens), pool), pair_margins(ens, pool, 0),
+                              atol=1e-5)
+    unique = {(e.prompt_ids, side) for e in pool for side in (e.chosen_ids, e.rejected_ids)}
+    assert len(cache.rows) == len(unique) == 48 == sum(computed)
