@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from tasks.device import Device, device_of
 from tasks.errors import InputError
 from tasks.records import Prompt, prompt_to_record
 
@@ -53,10 +54,11 @@ def load_tokenizer(path: str | Path) -> transformers.PreTrainedTokenizerBase:
     return tok
 
 
-def load_causal_lm(path: str | Path) -> transformers.PreTrainedModel:
+def load_causal_lm(path: str | Path, device: Device = "cpu") -> transformers.PreTrainedModel:
+    """A saved causal LM in fp32, on `device`, in eval mode."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         check_model_dir(path), dtype=torch.float32)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def weights_md5(path: str | Path) -> str:
@@ -72,11 +74,12 @@ def weights_md5(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def autocast(precision: str) -> contextlib.AbstractContextManager[object]:
-    """bf16: matmuls in bfloat16 under torch.autocast (weights, optimizer state, softmax and
-    losses stay fp32); fp32: no-op. AVX512-BF16 CPUs run bf16 matmuls ~2.2x faster."""
+def autocast(precision: str, device: Device = "cpu") -> contextlib.AbstractContextManager[object]:
+    """bf16: matmuls in bfloat16 under torch.autocast for the device's type (weights, optimizer
+    state, softmax and losses stay fp32); fp32: no-op. AVX512-BF16 CPUs run bf16 matmuls ~2.2x
+    faster; on CUDA it is the usual mixed precision (no loss scaling: bf16 has fp32's range)."""
     if precision == "bf16":
-        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+        return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -98,15 +101,16 @@ def encode_response(tok: transformers.PreTrainedTokenizerBase, text: str,
     return (ids + [tok.eos_token_id])[:max_tokens]
 
 
-def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Right-pad to (B, T) ids and a (B, T) attention mask."""
+def pad_right(seqs: Sequence[Sequence[int]], pad_id: int,
+              device: Device = "cpu") -> tuple[Tensor, Tensor]:
+    """Right-pad to (B, T) ids and a (B, T) attention mask, on `device`."""
     width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)   # cpu: host rows, copied once
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)          # cpu: host rows, copied once
     for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)         # cpu: host rows, copied once
         mask[i, : len(s)] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 @dataclass(frozen=True)
@@ -131,22 +135,25 @@ class Packed:
         it: callers that keep outputs from the earliest prompt end on (`packed_logprobs`) index
         at `pred - min(prompt_ends)` >= 0."""
         n, width = len(self.lengths), max(self.lengths, default=0)
-        ends = torch.tensor(self.prompt_ends, dtype=torch.long)[:, None]     # (N, 1)
+        ends = torch.tensor(self.prompt_ends, dtype=torch.long)[:, None]  # cpu: host rows, one copy
         pred = ends.expand(n, width).clone()
         at = ends.expand(n, width).clone()
-        mask = torch.zeros((n, width))
+        mask = torch.zeros((n, width))  # cpu: host rows, copied once
         for i, (end, start, length) in enumerate(zip(self.prompt_ends, self.starts,
                                                      self.lengths)):
             if length:
-                pred[i, :length] = torch.tensor([end] + list(range(start, start + length - 1)))
-                at[i, :length] = torch.arange(start, start + length)
+                pred[i, :length] = torch.tensor(  # cpu: host rows, copied once
+                    [end] + list(range(start, start + length - 1)))
+                at[i, :length] = torch.arange(start, start + length)  # cpu: host rows, copied once
                 mask[i, :length] = 1
-        return pred, at, mask
+        device = self.ids.device
+        return pred.to(device), at.to(device), mask.to(device)
 
     def last_positions(self) -> Tensor:
         """(N,) position of each response's last token (its prompt's last when empty)."""
         return torch.tensor([s + n - 1 if n else e for e, s, n in
-                             zip(self.prompt_ends, self.starts, self.lengths)])
+                             zip(self.prompt_ends, self.starts, self.lengths)],
+                            device=self.ids.device)
 
 
 def prompt_groups(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -158,8 +165,9 @@ def prompt_groups(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
 
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-         pad_id: int) -> Packed:
-    """Group the responses by identical prompt and pack each group into one row (Packed)."""
+         pad_id: int, device: Device = "cpu") -> Packed:
+    """Group the responses by identical prompt and pack each group into one row (Packed), its
+    tensors on `device` (built on the CPU row by row, then copied once)."""
     n = len(prompts)
     rows, ends, starts = [0] * n, [0] * n, [0] * n
     seqs, segs, poss = [], [], []
@@ -175,17 +183,19 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
         seqs.append(seq)
         segs.append(seg)
         poss.append(pos)
-    ids, _ = pad_right(seqs, pad_id)                                        # (G, T)
+    ids, _ = pad_right(seqs, pad_id, device)                                # (G, T)
     t = ids.shape[1]
-    segment = torch.full(ids.shape, -1, dtype=torch.long)                   # -1: padding
-    positions = torch.zeros(ids.shape, dtype=torch.long)
+    segment = torch.full(ids.shape, -1, dtype=torch.long)  # cpu: host rows, one copy; -1: pad
+    positions = torch.zeros(ids.shape, dtype=torch.long)     # cpu: host rows, copied once
     for g, (seg, pos) in enumerate(zip(segs, poss)):
-        segment[g, : len(seg)] = torch.tensor(seg, dtype=torch.long)
-        positions[g, : len(pos)] = torch.tensor(pos, dtype=torch.long)
-    causal = torch.ones((t, t), dtype=torch.bool).tril()                    # key s <= query t
+        segment[g, : len(seg)] = torch.tensor(seg, dtype=torch.long)  # cpu: host rows, copied once
+        positions[g, : len(pos)] = torch.tensor(pos, dtype=torch.long)  # cpu: host rows, one copy
+    segment, positions = segment.to(device), positions.to(device)
+    causal = torch.ones((t, t), dtype=torch.bool, device=device).tril()     # key s <= query t
     seg_q, seg_k = segment[:, :, None], segment[:, None, :]                 # (G, T, 1), (G, 1, T)
     attention = causal & ((seg_k == 0) | (seg_k == seg_q))                  # prompt, or own
-    return Packed(ids, positions, attention[:, None], torch.tensor(rows, dtype=torch.long),
+    return Packed(ids, positions, attention[:, None],
+                  torch.tensor(rows, dtype=torch.long, device=device),
                   ends, starts, [len(r) for r in responses])
 
 
@@ -215,7 +225,8 @@ def response_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     Returns logprobs (B, R) and a response mask (B, R), R = longest response; entries past a
     response's end are 0 in both. Differentiable when grad is enabled.
     """
-    return packed_logprobs(model, pack(prompts, responses, pad_id), temperature)
+    return packed_logprobs(model, pack(prompts, responses, pad_id, device_of(model)),
+                           temperature)
 
 
 def sequence_logprob(model: torch.nn.Module, prompts: Sequence[Sequence[int]],

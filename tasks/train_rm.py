@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from tasks import atomic, audit, distributed, jsonl, layout, lm, mlflow_model, model_card, stage
+from tasks.device import Device
 from tasks.distributed import SINGLE, Group
 from tasks.jsonl import DataError
 from tasks.params import Params
@@ -25,7 +26,7 @@ from tasks.reward_model import (EncodedPair, RewardEnsemble, encode_pairs, ensem
 
 
 def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_id: int,
-                  it: int, group: Group = SINGLE
+                  it: int, group: Group = SINGLE, device: Device = "cpu"
                   ) -> tuple[list[transformers.PreTrainedModel], dict[str, float]]:
     """K members, member i seeded by (seed, it, i); loss stats averaged over members. With
     `head_init: probe` each member's head is first fitted on frozen features: on all pairs at
@@ -36,11 +37,12 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
     members, runs = [], []
     for i in range(rp.ensemble):
         model = init_reward_model(backbone, stage.generator(p.seed, 2, it, i, 0),   # head init
-                                  rp.num_layers)
+                                  rp.num_layers, device)
         run: dict[str, float] = {}
         if rp.head_init == "probe" and train:
             data = train if rp.ensemble == 1 else [train[j] for j in torch.randint(
-                len(train), (len(train),), generator=stage.generator(p.seed, 2, it, i, 2))]
+                len(train), (len(train),),  # cpu: its generator
+                generator=stage.generator(p.seed, 2, it, i, 2))]
             run.update(fit_probe_head(model, data, rp, pad_id))
         if rp.epochs > 0:
             run.update(train_reward(model, train, rp, pad_id,
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     train, held = heldout_split(pairs, p.train_rm.heldout_fraction)
     enc = lambda ps: encode_pairs(tok, ps, p.model.max_prompt_tokens, p.train_rm.max_length)  # noqa: E731
     enc_train, enc_held = enc(train), enc(held)
-    members, metrics = train_members(backbone, enc_train, p, tok.pad_token_id, it, group)
+    members, metrics = train_members(backbone, enc_train, p, tok.pad_token_id, it, group,
+                                     args.device)
     if not group.main:                          # ranks > 0 write nothing
         distributed.close(group)
         return
