@@ -2,7 +2,8 @@
 
 - One run per iteration (`iteration k`) with a nested run per stage instance, created with the
   stages' real start and end times. A stage run carries its params, its metrics (at
-  step = iteration), its outcome, one `code_md5` for its source files, and every data/model
+  step = iteration), its outcome, one `code_md5` for its source files, the torch device it ran
+  on (`device`: the `device` param resolved, for the stages that declare it), and every data/model
   input as an MLflow dataset input whose name is the DVC path, whose digest is DVC's md5 and
   whose source is that object in the DVC remote. The iteration run carries the iteration's
   headline metrics too, so the runs table shows them.
@@ -58,6 +59,18 @@ def code_md5(entry: dict[str, Any]) -> str:
     code = sorted(f"{p}:{m}" for p, m in entry_io(entry, "deps").items()
                   if p.startswith("tasks/"))
     return hashlib.md5("\n".join(code).encode()).hexdigest()
+
+
+def ran_on(entry: dict[str, Any], outcome: str) -> dict[str, str]:
+    """The `device` tag of a stage run: its `device` param resolved as the stage resolved it
+    (tasks/device.py, on this machine: stages run here as the flow's subprocesses). Only for a
+    stage that declares the param and ran now: restored or cached outputs were computed
+    earlier, maybe elsewhere, and their param value (auto, say) does not say where."""
+    name = entry.get("params", {}).get(layout.PARAMS_FILE, {}).get("device")
+    if name is None or outcome != "ran":
+        return {}
+    from tasks.device import resolve_device   # torch, not transformers: only here
+    return {f"{TAG}device": str(resolve_device(str(name)))}
 
 
 def remote_url(root: Path) -> str | None:
@@ -137,6 +150,7 @@ def log_iteration(root: Path, iteration: int, runs: Sequence[StageRun], lock: di
         stage_tags = {**tags, "mlflow.parentRunId": parent, f"{TAG}dvc_stage": r.name,
                       f"{TAG}outcome": r.outcome, f"{TAG}code_md5": code_md5(entry)}
         stage_tags.update({f"{TAG}out:{p}": m for p, m in entry_io(entry, "outs").items()})
+        stage_tags.update(ran_on(entry, r.outcome))
         start = r.started or now
         child = client.create_run(exp_id, start_time=_ms(start), tags=stage_tags,
                                   run_name=r.name).info.run_id

@@ -156,11 +156,12 @@ def build_queue(pairs: Sequence[PreferencePair], margins: Tensor,
     others drawn with `rng`. margins: (K, N), one column per pair. Audited pairs are skipped."""
     ids = [pair_id(p) for p in pairs]
     todo = [i for i, pid in enumerate(ids) if pid not in labels]
+    margins = margins.cpu()                   # read element by element below
     std, mean = margins.std(0, unbiased=False), margins.mean(0)                # (N,), (N,)
     ranked = sorted(todo, key=lambda i: (-float(std[i]), i)) if margins.shape[0] > 1 else []
     top = ranked[:top_n]
     rest = [i for i in todo if i not in set(top)]
-    pick = torch.randperm(len(rest), generator=rng)[:random_n].tolist()
+    pick = torch.randperm(len(rest), generator=rng)[:random_n].tolist()   # cpu: its generator
     chosen = [(i, "disagreement") for i in top] + [(rest[j], "random") for j in sorted(pick)]
     return [{"pair_id": ids[i], "reason": reason, "rank": rank,
              "prompt": prompt_to_record(pairs[i].prompt), "chosen": pairs[i].chosen,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks import jsonl, layout, lm, stage
+from tasks.device import Device
 from tasks.judge import judge_all, rollout_groups
 from tasks.judges import make_judge
 from tasks.jsonl import DataError
@@ -50,14 +51,15 @@ def inside_import_dir(path: Path, root: Path) -> None:
                         "with `alignloop import FILE --workspace WORKSPACE`")
 
 
-def cold_start(p: Params, root: Path) -> tuple[list[PreferencePair], dict[str, float]]:
+def cold_start(p: Params, root: Path, device: Device = "cpu"
+               ) -> tuple[list[PreferencePair], dict[str, float]]:
     policy_dir = root / layout.policy(0)
-    model, tok = lm.load_causal_lm(policy_dir), lm.load_tokenizer(policy_dir)
+    model, tok = lm.load_causal_lm(policy_dir, device), lm.load_tokenizer(policy_dir)
     prompts = load_prompts(str(root / layout.PROMPTS_TRAIN), p.offpolicy.n_prompts)
     rollouts = sample_rollouts(model, tok, prompts, p.offpolicy.samples_per_prompt,
                                p.offpolicy.generation, p.model.max_prompt_tokens,
                                lm.weights_md5(policy_dir), 0, stage.generator(p.seed, 0))
-    _, pool, metrics = judge_all(make_judge(p.judge, root), rollout_groups(rollouts, 0),
+    _, pool, metrics = judge_all(make_judge(p.judge, root, device), rollout_groups(rollouts, 0),
                                  "cold_start", p.judge)
     return pool, metrics
 
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         pairs = import_pairs(root / p.offpolicy.import_path, root)
         metrics = {"offpolicy/n_pairs": float(len(pairs))}
     else:
-        pairs, metrics = cold_start(p, root)
+        pairs, metrics = cold_start(p, root, args.device)
         metrics["offpolicy/n_pairs"] = float(len(pairs))
     jsonl.write(root / layout.pairs_pool(0), (x.to_record() for x in pairs))
     stage.write_metrics(root, layout.OFFPOLICY_METRICS, metrics)

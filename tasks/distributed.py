@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from tasks.device import Device
 from tasks.errors import InputError
 from tasks.stage import THREADS_ENV
 
@@ -68,12 +69,13 @@ class Group:
         """Whether this rank computes chunk number `chunk` of a no-grad pass (round robin)."""
         return chunk % self.world == self.rank
 
-    def share(self, x: Tensor | None, n: int, chunk: int) -> Tensor:
-        """Chunk `chunk`'s (n,) result, computed by its owner, on every rank (as float32)."""
+    def share(self, x: Tensor | None, n: int, chunk: int, device: Device = "cpu") -> Tensor:
+        """Chunk `chunk`'s (n,) result, computed by its owner, on every rank (as float32, on
+        `device`: the owner's x is there, NCCL broadcasts only between CUDA tensors)."""
         if self.world == 1:
             assert x is not None
             return x
-        t = x.detach().float().contiguous() if x is not None else torch.zeros(n)
+        t = x.detach().float().contiguous() if x is not None else torch.zeros(n, device=device)
         dist.broadcast(t, src=chunk % self.world)
         return t
 
@@ -104,7 +106,8 @@ def launched() -> bool:
 
 def init() -> Group:
     """Join the process group; threads = machine threads / N. Collectives go by the tensor's
-    device: gloo for CPU tensors (the stages' models today), NCCL for CUDA ones when present."""
+    device: gloo for CPU tensors, NCCL for CUDA ones when present. Each rank's current CUDA
+    device is its LOCAL_RANK, so `device: cuda` (torch.device("cuda")) puts rank r on GPU r."""
     world = int(os.environ["WORLD_SIZE"])
     cores = int(os.environ.get(THREADS_ENV, os.cpu_count() or 1))
     torch.set_num_threads(max(1, cores // world))

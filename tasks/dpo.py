@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from tasks import lm, progress
+from tasks.device import device_of
 from tasks.distributed import SINGLE, Group, record_losses
 from tasks.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES, dpo_implicit_rewards
 from tasks.params import DPOParams
@@ -46,12 +47,13 @@ def reference_logprobs(ref: torch.nn.Module, pairs: Sequence[EncodedPair], pad_i
     """The reference's chosen and rejected log-probs over all pairs, each (N,). On several
     ranks each computes every world-th chunk (the same chunks as one process) and shares it."""
     chosen, rejected = [], []
+    device = device_of(ref)
     for j, s in enumerate(range(0, len(pairs), batch_size)):
         chunk = pairs[s: s + batch_size]
         c, r = (_pair_logprobs(ref, chunk, pad_id, per_token_mean) if group.owns(j)
                 else (None, None))
-        chosen.append(group.share(c, len(chunk), j))
-        rejected.append(group.share(r, len(chunk), j))
+        chosen.append(group.share(c, len(chunk), j, device))
+        rejected.append(group.share(r, len(chunk), j, device))
     return torch.cat(chosen), torch.cat(rejected)
 
 
@@ -59,18 +61,20 @@ def _batch_terms(policy: torch.nn.Module, pairs: Sequence[EncodedPair], idx: Ten
                  ref_c: Tensor, ref_r: Tensor, p: DPOParams, pad_id: int
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-pair loss (with the SFT term), chosen NLL and implicit rewards r_c, r_r on the pairs
-    `idx`, each (B,)."""
+    `idx` (on the CPU: the generator's order), each (B,)."""
     mean_lp = p.loss in LENGTH_NORMALISED_LOSSES
-    with lm.autocast(p.precision):
+    with lm.autocast(p.precision, device_of(policy)):
         pi_c, pi_r = _pair_logprobs(policy, [pairs[i] for i in idx.tolist()], pad_id, mean_lp)
-    per_pair = DPO_LOSSES[p.loss](pi_c, pi_r, ref_c[idx], ref_r[idx], p.beta, p.label_smoothing)
+    at = idx.to(ref_c.device)
+    per_pair = DPO_LOSSES[p.loss](pi_c, pi_r, ref_c[at], ref_r[at], p.beta, p.label_smoothing)
     nll = -pi_c if mean_lp else -pi_c / torch.tensor(
-        [max(len(pairs[i].chosen_ids), 1) for i in idx.tolist()], dtype=pi_c.dtype)
+        [max(len(pairs[i].chosen_ids), 1) for i in idx.tolist()], dtype=pi_c.dtype,
+        device=pi_c.device)
     if p.sft_weight > 0:
         per_pair = per_pair + p.sft_weight * nll                               # (B,)
     with torch.no_grad():
-        r_c = dpo_implicit_rewards(pi_c, ref_c[idx], p.beta)                  # beta log pi/ref
-        r_r = dpo_implicit_rewards(pi_r, ref_r[idx], p.beta)
+        r_c = dpo_implicit_rewards(pi_c, ref_c[at], p.beta)                   # beta log pi/ref
+        r_r = dpo_implicit_rewards(pi_r, ref_r[at], p.beta)
     return per_pair, nll, r_c, r_r
 
 
@@ -87,9 +91,10 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
     if not pairs:
         return {"update/steps": 0.0, "update/n_pairs": 0.0}
     t0 = time.perf_counter()
-    w = torch.ones(len(pairs)) if weights is None else weights                # (N,)
+    device = device_of(policy)
+    w = torch.ones(len(pairs), device=device) if weights is None else weights.to(device)  # (N,)
     ref.eval()
-    with lm.autocast(p.precision):    # as the policy's: pi/ref is exactly 1 while pi = ref
+    with lm.autocast(p.precision, device):   # as the policy's: pi/ref is exactly 1 while pi = ref
         ref_c, ref_r = reference_logprobs(ref, pairs, pad_id, p.batch_size,
                                           p.loss in LENGTH_NORMALISED_LOSSES, group)  # (N,)
     opt = torch.optim.AdamW(policy.parameters(), lr=p.lr, weight_decay=0.0)
@@ -97,17 +102,18 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
     pg = progress.track(p.epochs * -(-len(pairs) // p.batch_size), "steps", "pairs")
     policy.train()
     for _ in range(p.epochs):
-        order = torch.randperm(len(pairs), generator=rng)   # the same on every rank
+        order = torch.randperm(len(pairs), generator=rng)  # cpu: its generator; every rank
         for s in range(0, len(order), p.batch_size):
             batch = order[s: s + p.batch_size]
             idx = group.shard(batch)                          # all of it on one process
             opt.zero_grad()
             if len(idx):
                 per_pair, nll, r_c, r_r = _batch_terms(policy, pairs, idx, ref_c, ref_r, p, pad_id)
-                loss = group.batch_loss(w[idx] * per_pair, len(batch))
+                loss = group.batch_loss(w[idx.to(device)] * per_pair, len(batch))
                 loss.backward()
             else:                                             # a short last batch, many ranks
-                loss, (nll, r_c, r_r) = torch.zeros(()), (torch.zeros(0),) * 3
+                loss, (nll, r_c, r_r) = (torch.zeros((), device=device),
+                                         (torch.zeros(0, device=device),) * 3)
             group.sum_grads(policy.parameters())
             opt.step()
             acc, margin, nll_mean = group.means([(r_c > r_r).float(), r_c - r_r, nll], len(batch))
@@ -163,4 +169,4 @@ def offpolicy_indices(n_onpolicy: int, pool_size: int, mix: float,
     """Which previous-pool pairs to mix in so that they make up `mix` of the training pairs:
     n_off = round(mix / (1 - mix) * n_on), at most the pool, drawn without replacement."""
     n_off = min(pool_size, round(mix / (1.0 - mix) * n_onpolicy)) if mix > 0 else 0
-    return sorted(torch.randperm(pool_size, generator=rng)[:n_off].tolist())
+    return sorted(torch.randperm(pool_size, generator=rng)[:n_off].tolist())  # cpu: its generator

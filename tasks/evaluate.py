@@ -33,11 +33,13 @@ def untempered(gen: GenerationParams) -> bool:
 
 
 def padded(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged per-token values to (B, R) values and mask."""
+    """Ragged per-token values (host lists) to (B, R) values and mask, on the CPU: the metrics
+    are computed there from values read back from the device."""
     width = max((len(r) for r in rows), default=0)
-    vals, mask = torch.zeros((len(rows), width)), torch.zeros((len(rows), width))
+    vals = torch.zeros((len(rows), width))   # cpu: host-side metric arithmetic
+    mask = torch.zeros((len(rows), width))   # cpu: host-side metric arithmetic
     for i, r in enumerate(rows):
-        vals[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+        vals[i, : len(r)] = torch.tensor(r, dtype=torch.float32)  # cpu: host-side metric arithmetic
         mask[i, : len(r)] = 1
     return vals, mask
 
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "")
     p, it, root = args.params, args.it, args.root
     pol_dir, ref_dir = root / layout.policy(it), root / layout.policy(0)
-    policy, ref = lm.load_causal_lm(pol_dir), lm.load_causal_lm(ref_dir)
+    policy, ref = lm.load_causal_lm(pol_dir, args.device), lm.load_causal_lm(ref_dir, args.device)
     tok = lm.load_tokenizer(pol_dir)
     pad = tok.pad_token_id
     heldout_path = str(root / layout.PROMPTS_HELDOUT)
@@ -214,15 +216,15 @@ def main(argv: list[str] | None = None) -> None:
                           else token_logprobs(ref, refs, pad))
     del policy
     # 3. judge, gold and reward model verdicts
-    judge = make_judge(p.judge, root)          # built once: an llm judge loads a model
+    judge = make_judge(p.judge, root, args.device)   # built once: an llm judge loads a model
     metrics, verdicts = compare(judge, pol, refs, p.evaluate.bootstrap, p.seed)
-    gold = GoldEvaluator(p.evaluate.gold, root)
+    gold = GoldEvaluator(p.evaluate.gold, root, args.device)
     g_metrics, g_verdicts, g_pol, g_ref = gold_compare(
         gold, pol, refs, subjects, mean_nll(ref_on_pol, mask), mean_nll(ref_logp, ref_mask),
         p.evaluate.bootstrap, p.seed)
     metrics.update(g_metrics)
     metrics.update(quality_metrics(g_pol, g_ref))
-    rm = load_reward_model(root / layout.reward_model(it))
+    rm = load_reward_model(root / layout.reward_model(it), args.device)
     (r_pol, sd_pol), (r_ref, sd_ref) = (
         reward_mean_std(rm, [s.prompt_ids for s in x], [s.response_ids for s in x], pad)
         for x in (pol, refs))

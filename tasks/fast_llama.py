@@ -90,7 +90,7 @@ class LlamaWeights:
 
     def __init__(self, model: transformers.LlamaForCausalLM):
         c = model.config
-        self.model = model
+        self.model, self.device = model, model.lm_head.weight.device
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         scale = self.head_dim ** -0.5       # attention's 1/sqrt(hd), folded into W_q
@@ -123,14 +123,18 @@ class LlamaDecoder:
         self.layout = prompt_layout(prompts)
         n_layers, kv, hd = len(self.layers), self.n_kv, self.head_dim
         d, width = len(self.layout.remainders), self.layout.width
-        self.k_prefix = self.v_prefix = torch.zeros((n_layers, kv, 0, hd))
-        self.k_rem, self.v_rem = (torch.zeros((n_layers, d, kv, width, hd)) for _ in range(2))
-        self.rem_bias = torch.zeros((d, width))                             # 0 or -inf (pad)
+        self.device = dev = weights.device
+        self.k_prefix = self.v_prefix = torch.zeros((n_layers, kv, 0, hd), device=dev)
+        self.k_rem, self.v_rem = (torch.zeros((n_layers, d, kv, width, hd), device=dev)
+                                  for _ in range(2))
+        self.rem_bias = torch.zeros((d, width), device=dev)                 # 0 or -inf (pad)
         shape = (n_layers, len(prompts), kv, max_new_tokens, hd)
-        self.k_gen, self.v_gen = torch.empty(shape), torch.empty(shape)     # written, then read
+        self.k_gen = torch.empty(shape, device=dev)                        # written, then read
+        self.v_gen = torch.empty(shape, device=dev)
         self.next_slot = 0
-        self.next_pos = torch.zeros(len(prompts), dtype=torch.long)         # (B,)
-        self.logits = torch.empty((len(prompts), self.model.lm_head.weight.shape[0]))  # (B, V)
+        self.next_pos = torch.zeros(len(prompts), dtype=torch.long, device=dev)   # (B,)
+        self.logits = torch.empty((len(prompts), self.model.lm_head.weight.shape[0]),
+                                  device=dev)                                      # (B, V)
 
     # -- the transformer -----------------------------------------------------------------------
     def _forward(self, ids: Tensor, positions: Tensor, k: Tensor, v: Tensor, start: int,
@@ -196,7 +200,8 @@ class LlamaDecoder:
         """Tempered logits (N, V) of last hidden states (N, D), into out, a vocabulary chunk at
         a time: a chunk's product stays in cache, which the full-width product does not."""
         hidden, weight = hidden * self.inv_temp, self.model.lm_head.weight
-        chunk = torch.empty((hidden.shape[0], min(HEAD_CHUNK, weight.shape[0])))
+        chunk = torch.empty((hidden.shape[0], min(HEAD_CHUNK, weight.shape[0])),
+                            device=hidden.device)
         for lo in range(0, weight.shape[0], HEAD_CHUNK):
             part = chunk[:, : min(HEAD_CHUNK, weight.shape[0] - lo)]
             out[:, lo: lo + part.shape[1]] = torch.mm(hidden, weight[lo: lo + part.shape[1]].t(),
@@ -205,39 +210,42 @@ class LlamaDecoder:
 
     # -- prefill -------------------------------------------------------------------------------
     def prefill(self) -> Tensor:
-        lay = self.layout
+        lay, dev = self.layout, self.device
         n_p = len(lay.prefix)
         # 1. the shared prefix, once
         if n_p:
-            k1, v1 = (torch.empty((len(self.layers), 1, self.n_kv, n_p, self.head_dim))
-                      for _ in range(2))
-            causal = torch.full((n_p, n_p), float("-inf")).triu_(1)[None]
-            self._forward(torch.tensor([lay.prefix]), torch.arange(n_p)[None], k1, v1, 0, causal,
+            k1, v1 = (torch.empty((len(self.layers), 1, self.n_kv, n_p, self.head_dim),
+                                  device=dev) for _ in range(2))
+            causal = torch.full((n_p, n_p), float("-inf"), device=dev).triu_(1)[None]
+            self._forward(torch.tensor([lay.prefix], device=dev),
+                          torch.arange(n_p, device=dev)[None], k1, v1, 0, causal,
                           remainders=False)
             self.k_prefix, self.v_prefix = k1[:, 0], v1[:, 0]
         # 2. each distinct remainder once, packed into sequences of about PACK_TOKENS tokens
-        last = torch.empty((len(lay.remainders), self.model.config.hidden_size))   # (D, D_model)
+        last = torch.empty((len(lay.remainders), self.model.config.hidden_size),
+                           device=dev)                                                # (D, D_model)
         for group in _pack([len(r) for r in lay.remainders], PACK_TOKENS):
             self._prefill_packed(group, last)
-        lengths = torch.tensor([len(r) for r in lay.remainders])                      # (D,)
-        self.rem_bias.masked_fill_(torch.arange(lay.width) < (lay.width - lengths)[:, None],
-                                   float("-inf"))
+        lengths = torch.tensor([len(r) for r in lay.remainders], device=dev)          # (D,)
+        self.rem_bias.masked_fill_(
+            torch.arange(lay.width, device=dev) < (lay.width - lengths)[:, None], float("-inf"))
         self.next_pos = (n_p + lengths).repeat_interleave(lay.group)                  # (B,)
-        first = self._head(last, torch.empty(len(last), self.logits.shape[1]))        # (D, V)
-        rows = torch.arange(len(self.logits)) // lay.group
+        first = self._head(last, torch.empty(len(last), self.logits.shape[1],
+                                             device=dev))                             # (D, V)
+        rows = torch.arange(len(self.logits), device=dev) // lay.group
         return torch.index_select(first, 0, rows, out=self.logits)
 
     def _prefill_packed(self, group: Sequence[int], last: Tensor) -> None:
         """Run the remainders in group as one sequence, each attending to the prefix and to
         itself only; store their KV right-aligned and their last hidden state into last."""
-        rems = [self.layout.remainders[j] for j in group]
-        seg = torch.cat([torch.full((len(r),), i) for i, r in enumerate(rems)])       # (T,)
-        offset = torch.cat([torch.arange(len(r)) for r in rems])                      # (T,)
+        rems, dev = [self.layout.remainders[j] for j in group], self.device
+        seg = torch.cat([torch.full((len(r),), i, device=dev) for i, r in enumerate(rems)])  # (T,)
+        offset = torch.cat([torch.arange(len(r), device=dev) for r in rems])                 # (T,)
         allowed = (seg[:, None] == seg[None, :]) & (offset[None, :] <= offset[:, None])
-        bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[None]
-        k1, v1 = (torch.empty((len(self.layers), 1, self.n_kv, len(seg), self.head_dim))
-                  for _ in range(2))
-        ids = torch.tensor([[tok for r in rems for tok in r]])
+        bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf"))[None]
+        k1, v1 = (torch.empty((len(self.layers), 1, self.n_kv, len(seg), self.head_dim),
+                              device=dev) for _ in range(2))
+        ids = torch.tensor([[tok for r in rems for tok in r]], device=dev)
         positions = (len(self.layout.prefix) + offset)[None]
         hidden = self._forward(ids, positions, k1, v1, 0, bias, remainders=False)[0]  # (T, D)
         start, width = 0, self.layout.width

@@ -70,7 +70,7 @@ class RegisterClassifier:
             l2: float) -> RegisterClassifier:
         texts, labels = read_examples(path)
         x = embed(texts)
-        w, b = fit_logistic(x, torch.tensor(labels, dtype=torch.float32), l2)
+        w, b = fit_logistic(x, torch.tensor(labels, dtype=torch.float32, device=x.device), l2)
         return cls(embed, w, b)
 
     @torch.no_grad()

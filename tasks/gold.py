@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tasks.device import Device
 from tasks.genre import RegisterClassifier
 from tasks.judges import Verdict
 from tasks.params import GoldParams
@@ -74,11 +75,12 @@ class SentenceEmbedder:
     transformers' AutoModel; sentence vector = attention-masked mean of the last hidden states,
     L2-normalised (the sentence-transformers recipe for this model)."""
 
-    def __init__(self, package: str) -> None:
+    def __init__(self, package: str, device: Device = "cpu") -> None:
         import transformers
         path = package_dir(package) / "model"
+        self.device = torch.device(device)
         self.tok = transformers.AutoTokenizer.from_pretrained(str(path))
-        self.model = transformers.AutoModel.from_pretrained(str(path)).eval()
+        self.model = transformers.AutoModel.from_pretrained(str(path)).to(self.device).eval()
 
     @torch.no_grad()
     def embed(self, texts: Sequence[str], batch_size: int = 64) -> Tensor:
@@ -86,12 +88,12 @@ class SentenceEmbedder:
         out = []
         for s in range(0, len(texts), batch_size):
             enc = self.tok(list(texts[s: s + batch_size]), padding=True, truncation=True,
-                           max_length=256, return_tensors="pt")
+                           max_length=256, return_tensors="pt").to(self.device)
             hidden = self.model(**enc).last_hidden_state                  # (B, T, D)
             mask = enc["attention_mask"][..., None].float()              # (B, T, 1)
             mean = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)   # (B, D)
             out.append(F.normalize(mean, dim=-1))
-        return torch.cat(out) if out else torch.zeros((0, 384))
+        return torch.cat(out) if out else torch.zeros((0, 384), device=self.device)
 
 
 def subject_title(subject: str) -> str:
@@ -104,10 +106,11 @@ def subject_title(subject: str) -> str:
 class GoldEvaluator:
     p: GoldParams
     root: Path = Path(".")          # the workspace: register_examples_file is relative to it
+    device: Device = "cpu"          # the embedder's (and so the review check's)
 
     @cached_property
     def embedder(self) -> SentenceEmbedder:
-        return SentenceEmbedder(self.p.embedder_package)
+        return SentenceEmbedder(self.p.embedder_package, self.device)
 
     @cached_property
     def afinn(self) -> object:

@@ -141,7 +141,8 @@ def collect_groups(results: Sequence[GroupResult]
 def judge_shard(jp: JudgeParams, root: Path, source: str, threads: int,
                 groups: Sequence[Group]) -> list[GroupResult]:
     """A Ray task's share of `judge_all`: its own judge, built from the same params and
-    files, on the stage's torch thread count (a reward model's scores keep their bits)."""
+    files, on the stage's torch thread count (a reward model's scores keep their bits), on
+    the CPU (Ray workers are CPU processes here: no GPU is requested for them)."""
     torch.set_num_threads(threads)
     judge = make_judge(jp, root)
     return [judge_group(judge, g, source, jp.pairs_per_prompt,  # type: ignore[arg-type]
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     rollouts = [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
     groups = rollout_groups(rollouts, it)
     jp = args.params.judge
-    judge = make_judge(jp, root)
+    judge = make_judge(jp, root, args.device)
     pairs, new, metrics = judge_all(judge, groups, f"iter_{it}", jp, root)
     pool_path = str(root / layout.pairs_pool(it - 1))
     pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]

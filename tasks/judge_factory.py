@@ -8,7 +8,8 @@ from tasks.params import JudgeParams
 from tasks.verdict_cache import VerdictCache
 
 
-def make_pairwise_judge(p: JudgeParams, root: Path) -> PairwiseLLMJudge:
+def make_pairwise_judge(p: JudgeParams, root: Path, device: object = "cpu") -> PairwiseLLMJudge:
+    """`device`: where an llm judge's model runs (a torch device or its name)."""
     template = load_template(root, p.template)
     if p.kind == "http":
         from tasks.judge_http import HttpBackend, endpoint_from_env, served_model
@@ -22,7 +23,8 @@ def make_pairwise_judge(p: JudgeParams, root: Path) -> PairwiseLLMJudge:
         from tasks.judge_llm import LocalLMBackend
         model_dir = (root / Path(p.model).expanduser()).resolve()
         lm.check_model_dir(model_dir)
-        backend = LocalLMBackend(model_dir, p.decoding, p.max_new_tokens)  # type: ignore[assignment]
+        backend = LocalLMBackend(  # type: ignore[assignment]
+            model_dir, p.decoding, p.max_new_tokens, device=device)
         model, batch = f"{model_dir.name}@{lm.weights_md5(model_dir)}", 32
     else:
         raise ValueError(f"not a pairwise judge kind: {p.kind}")

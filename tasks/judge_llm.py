@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tasks import lm
+from tasks.device import Device
 from tasks.judges import Verdict
 from tasks.pairwise import JudgeStats, Reply, parse_verdict
 
@@ -20,8 +21,9 @@ WORDS: tuple[Verdict, ...] = ("A", "B", "tie")
 
 class LocalLMBackend:
     def __init__(self, model_dir: Path, decoding: str, max_new_tokens: int,
-                 batch_size: int = 8):
-        self.model, self.tok = lm.load_causal_lm(model_dir), lm.load_tokenizer(model_dir)
+                 batch_size: int = 8, device: Device = "cpu"):
+        self.model, self.tok = lm.load_causal_lm(model_dir, device), lm.load_tokenizer(model_dir)
+        self.device = lm.device_of(self.model)
         self.tok.padding_side = "left"
         self.decoding, self.max_new_tokens, self.batch_size = decoding, max_new_tokens, batch_size
         ids = [self.tok.encode(w, add_special_tokens=False)[0] for w in WORDS]
@@ -40,7 +42,8 @@ class LocalLMBackend:
         out: list[Reply] = []
         for s in range(0, len(texts), self.batch_size):
             chunk = [self._render(t) for t in texts[s: s + self.batch_size]]
-            enc = self.tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = self.tok(chunk, return_tensors="pt", padding=True,
+                           add_special_tokens=False).to(self.device)
             n_prompt = int(enc["attention_mask"].sum())
             stats.add(requests=len(chunk), prompt_tokens=n_prompt)
             out += self._logprob(enc, stats) if self.decoding == "logprob" else \

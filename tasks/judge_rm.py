@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from tasks import lm
+from tasks.device import Device
 from tasks.lm import ModelError
 from tasks.judges import Verdict, verdict_from_scores
 from tasks.records import Prompt
@@ -42,8 +43,8 @@ class RewardModelJudge:
     kind = "reward_model"
 
     def __init__(self, model_dir: Path, tie_margin: float, min_words: int, max_length: int,
-                 batch_size: int = 32):
-        self.rm = load_reward_model(model_dir)
+                 batch_size: int = 32, device: Device = "cpu"):
+        self.rm = load_reward_model(model_dir, device)
         for m in self.rm.members:
             if getattr(m.config, "num_labels", None) != 1 or not hasattr(m, "score"):
                 raise ModelError(f"{model_dir}: not a reward model (a sequence-classification "

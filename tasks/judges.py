@@ -214,18 +214,20 @@ JUDGES: dict[str, Callable[[JudgeParams], PointwiseJudge]] = {
 PAIRWISE_KINDS = ("llm", "http")
 
 
-def make_judge(p: JudgeParams, root: Path | None = None) -> PointwiseJudge:
+def make_judge(p: JudgeParams, root: Path | None = None,
+               device: object = "cpu") -> PointwiseJudge:
     """The configured judge. Pairwise kinds (llm, http) read their template and keep their
     verdict cache under the workspace `root` (they have no `score`: see `is_pointwise`);
-    `reward_model` and `llm` find `judge.model` relative to it."""
+    `reward_model` and `llm` find `judge.model` relative to it and load it on `device` (a
+    torch device or its name; this module imports no torch)."""
     root = Path(".") if root is None else root
     if p.kind in PAIRWISE_KINDS:
         from tasks.judge_factory import make_pairwise_judge
-        return make_pairwise_judge(p, root)  # type: ignore[return-value]
+        return make_pairwise_judge(p, root, device)  # type: ignore[return-value]
     if p.kind == "reward_model":
         from tasks.judge_rm import RewardModelJudge
         return RewardModelJudge((root / Path(p.model).expanduser()).resolve(), p.tie_margin,
-                                p.min_words, p.max_length)
+                                p.min_words, p.max_length, device=device)
     return JUDGES[p.kind](p)
 
 

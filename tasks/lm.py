@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from tasks.device import Device, device_of
 from tasks.errors import InputError
 from tasks.records import Prompt, prompt_to_record
 
@@ -54,10 +55,11 @@ def load_tokenizer(path: str | Path) -> transformers.PreTrainedTokenizerBase:
     return tok
 
 
-def load_causal_lm(path: str | Path) -> transformers.PreTrainedModel:
+def load_causal_lm(path: str | Path, device: Device = "cpu") -> transformers.PreTrainedModel:
+    """A saved causal LM in fp32, on `device`, in eval mode."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         check_model_dir(path), dtype=torch.float32)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def weights_md5(path: str | Path) -> str:
@@ -73,10 +75,13 @@ def weights_md5(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def native_bf16() -> bool:
-    """Whether this CPU runs bf16 matmuls on native kernels (oneDNN with AVX512-BF16 or AMX).
-    Without them torch falls back to its reference kernels: on an AVX2 EPYC (2 cores) a bf16
-    (512 x 576) @ (576 x 1536) ran at 1.2 GFLOP/s against fp32's 92 (benchmarks/peaks.py)."""
+def native_bf16(device: Device = "cpu") -> bool:
+    """Whether `device` runs bf16 matmuls on native kernels: on a CPU, oneDNN with AVX512-BF16
+    or AMX; on CUDA, what torch reports (Ampere and later). Without them a CPU falls back to
+    torch's reference kernels: on an AVX2 EPYC (2 cores) a bf16 (512 x 576) @ (576 x 1536) ran
+    at 1.2 GFLOP/s against fp32's 92 (benchmarks/peaks.py)."""
+    if torch.device(device).type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
     supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(supported()) if supported is not None else False
 
@@ -84,27 +89,29 @@ def native_bf16() -> bool:
 _warned_bf16 = False
 
 
-def effective_precision(precision: str) -> str:
-    """The precision a `precision` setting runs in here: auto = bf16 where the CPU has native
-    bf16 matmuls, else fp32; fp32 and bf16 as asked (bf16 without native kernels: one warning
-    line, since it is tens of times slower than fp32 there)."""
+def effective_precision(precision: str, device: Device = "cpu") -> str:
+    """The precision a `precision` setting runs in on `device`: auto = bf16 where its bf16
+    matmuls are native, else fp32; fp32 and bf16 as asked (bf16 without native kernels: one
+    warning line, since it is tens of times slower than fp32 there)."""
     global _warned_bf16
     if precision == "auto":
-        return "bf16" if native_bf16() else "fp32"
-    if precision == "bf16" and not native_bf16() and not _warned_bf16:
+        return "bf16" if native_bf16(device) else "fp32"
+    if precision == "bf16" and not _warned_bf16 and not native_bf16(device):
         _warned_bf16 = True
-        print("warning: precision bf16 on a CPU without native bf16 matmuls (AVX512-BF16 or "
-              "AMX): tens of times slower than fp32 here; precision: auto picks fp32",
+        print("warning: precision bf16 without native bf16 matmuls (a CPU without AVX512-BF16 "
+              "or AMX): tens of times slower than fp32 here; precision: auto picks fp32",
               file=sys.stderr, flush=True)
     return precision
 
 
-def autocast(precision: str) -> contextlib.AbstractContextManager[object]:
-    """bf16 (or auto resolving to it): matmuls in bfloat16 under torch.autocast (weights,
-    optimizer state, softmax and losses stay fp32); fp32: no-op. AVX512-BF16 CPUs run bf16
-    matmuls ~2.2x faster than fp32; CPUs without native bf16 kernels ~70x slower."""
-    if effective_precision(precision) == "bf16":
-        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+def autocast(precision: str, device: Device = "cpu") -> contextlib.AbstractContextManager[object]:
+    """bf16 (or auto resolving to it): matmuls in bfloat16 under torch.autocast for the
+    device's type (weights, optimizer state, softmax and losses stay fp32); fp32: no-op.
+    AVX512-BF16 CPUs run bf16 matmuls ~2.2x faster than fp32, CPUs without native bf16 kernels
+    ~70x slower; on CUDA it is the usual mixed precision (no loss scaling: bf16 has fp32's
+    range)."""
+    if effective_precision(precision, device) == "bf16":
+        return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -126,15 +133,16 @@ def encode_response(tok: transformers.PreTrainedTokenizerBase, text: str,
     return (ids + [tok.eos_token_id])[:max_tokens]
 
 
-def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Right-pad to (B, T) ids and a (B, T) attention mask."""
+def pad_right(seqs: Sequence[Sequence[int]], pad_id: int,
+              device: Device = "cpu") -> tuple[Tensor, Tensor]:
+    """Right-pad to (B, T) ids and a (B, T) attention mask, on `device`."""
     width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)   # cpu: host rows, copied once
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)          # cpu: host rows, copied once
     for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)         # cpu: host rows, copied once
         mask[i, : len(s)] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 @dataclass(frozen=True)
@@ -159,22 +167,25 @@ class Packed:
         it: callers that keep outputs from the earliest prompt end on (`packed_logprobs`) index
         at `pred - min(prompt_ends)` >= 0."""
         n, width = len(self.lengths), max(self.lengths, default=0)
-        ends = torch.tensor(self.prompt_ends, dtype=torch.long)[:, None]     # (N, 1)
+        ends = torch.tensor(self.prompt_ends, dtype=torch.long)[:, None]  # cpu: host rows, one copy
         pred = ends.expand(n, width).clone()
         at = ends.expand(n, width).clone()
-        mask = torch.zeros((n, width))
+        mask = torch.zeros((n, width))  # cpu: host rows, copied once
         for i, (end, start, length) in enumerate(zip(self.prompt_ends, self.starts,
                                                      self.lengths)):
             if length:
-                pred[i, :length] = torch.tensor([end] + list(range(start, start + length - 1)))
-                at[i, :length] = torch.arange(start, start + length)
+                pred[i, :length] = torch.tensor(  # cpu: host rows, copied once
+                    [end] + list(range(start, start + length - 1)))
+                at[i, :length] = torch.arange(start, start + length)  # cpu: host rows, copied once
                 mask[i, :length] = 1
-        return pred, at, mask
+        device = self.ids.device
+        return pred.to(device), at.to(device), mask.to(device)
 
     def last_positions(self) -> Tensor:
         """(N,) position of each response's last token (its prompt's last when empty)."""
         return torch.tensor([s + n - 1 if n else e for e, s, n in
-                             zip(self.prompt_ends, self.starts, self.lengths)])
+                             zip(self.prompt_ends, self.starts, self.lengths)],
+                            device=self.ids.device)
 
 
 def prompt_groups(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -186,8 +197,9 @@ def prompt_groups(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
 
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-         pad_id: int) -> Packed:
-    """Group the responses by identical prompt and pack each group into one row (Packed)."""
+         pad_id: int, device: Device = "cpu") -> Packed:
+    """Group the responses by identical prompt and pack each group into one row (Packed), its
+    tensors on `device` (built on the CPU row by row, then copied once)."""
     n = len(prompts)
     rows, ends, starts = [0] * n, [0] * n, [0] * n
     seqs, segs, poss = [], [], []
@@ -203,17 +215,19 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
         seqs.append(seq)
         segs.append(seg)
         poss.append(pos)
-    ids, _ = pad_right(seqs, pad_id)                                        # (G, T)
+    ids, _ = pad_right(seqs, pad_id, device)                                # (G, T)
     t = ids.shape[1]
-    segment = torch.full(ids.shape, -1, dtype=torch.long)                   # -1: padding
-    positions = torch.zeros(ids.shape, dtype=torch.long)
+    segment = torch.full(ids.shape, -1, dtype=torch.long)  # cpu: host rows, one copy; -1: pad
+    positions = torch.zeros(ids.shape, dtype=torch.long)     # cpu: host rows, copied once
     for g, (seg, pos) in enumerate(zip(segs, poss)):
-        segment[g, : len(seg)] = torch.tensor(seg, dtype=torch.long)
-        positions[g, : len(pos)] = torch.tensor(pos, dtype=torch.long)
-    causal = torch.ones((t, t), dtype=torch.bool).tril()                    # key s <= query t
+        segment[g, : len(seg)] = torch.tensor(seg, dtype=torch.long)  # cpu: host rows, copied once
+        positions[g, : len(pos)] = torch.tensor(pos, dtype=torch.long)  # cpu: host rows, one copy
+    segment, positions = segment.to(device), positions.to(device)
+    causal = torch.ones((t, t), dtype=torch.bool, device=device).tril()     # key s <= query t
     seg_q, seg_k = segment[:, :, None], segment[:, None, :]                 # (G, T, 1), (G, 1, T)
     attention = causal & ((seg_k == 0) | (seg_k == seg_q))                  # prompt, or own
-    return Packed(ids, positions, attention[:, None], torch.tensor(rows, dtype=torch.long),
+    return Packed(ids, positions, attention[:, None],
+                  torch.tensor(rows, dtype=torch.long, device=device),
                   ends, starts, [len(r) for r in responses])
 
 
@@ -243,7 +257,8 @@ def response_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     Returns logprobs (B, R) and a response mask (B, R), R = longest response; entries past a
     response's end are 0 in both. Differentiable when grad is enabled.
     """
-    return packed_logprobs(model, pack(prompts, responses, pad_id), temperature)
+    return packed_logprobs(model, pack(prompts, responses, pad_id, device_of(model)),
+                           temperature)
 
 
 def sequence_logprob(model: torch.nn.Module, prompts: Sequence[Sequence[int]],

@@ -8,9 +8,10 @@ from torch import Tensor
 
 
 def fit_logistic(x: Tensor, y: Tensor, l2: float) -> tuple[Tensor, Tensor]:
-    """L2-regularised logistic regression by L-BFGS from zeros: deterministic on CPU."""
-    w = torch.zeros(x.shape[1], requires_grad=True)
-    b = torch.zeros(1, requires_grad=True)
+    """L2-regularised logistic regression by L-BFGS from zeros, on x's device: deterministic on
+    CPU."""
+    w = torch.zeros(x.shape[1], requires_grad=True, device=x.device)
+    b = torch.zeros(1, requires_grad=True, device=x.device)
     opt = torch.optim.LBFGS([w, b], max_iter=500, tolerance_grad=1e-9,
                             line_search_fn="strong_wolfe")
 

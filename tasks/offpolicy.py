@@ -69,9 +69,10 @@ def effective_sample_size(weights: Tensor) -> float:
     return float(w.sum() ** 2 / denom) if denom > 0 else 0.0
 
 
-def staleness(iterations: Sequence[int], current: int) -> Tensor:
-    """Iterations since each sample was drawn: current - iteration, shape (B,)."""
-    return torch.tensor([current - i for i in iterations], dtype=torch.float32)
+def staleness(iterations: Sequence[int], current: int, device: torch.device | str = "cpu"
+              ) -> Tensor:
+    """Iterations since each sample was drawn: current - iteration, shape (B,), on `device`."""
+    return torch.tensor([current - i for i in iterations], dtype=torch.float32, device=device)
 
 
 def fresh_enough(iterations: Sequence[int], current: int, max_staleness: int) -> list[bool]:

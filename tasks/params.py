@@ -251,6 +251,7 @@ class TargetParams:
 class Params:
     iterations: dict[str, Iteration]
     seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"   # auto: cuda when torch sees one (lm.py)
     model: ModelParams = field(default_factory=ModelParams)
     prompts: PromptParams = field(default_factory=PromptParams)
     offpolicy: OffpolicyParams = field(default_factory=OffpolicyParams)
@@ -439,6 +440,7 @@ def _check_ranges(p: Params, b: _Builder) -> None:
         if value <= 0:
             b.fail(path, f"must be > 0, got {value}")
     _check_sizes(p, b)
+    _check_device(p, b)
     _check_import_path(p, b)
     if p.rollout.samples_per_prompt < 2:
         b.fail(("rollout", "samples_per_prompt"), "need at least 2 samples to form a pair")
@@ -485,6 +487,14 @@ def _check_sizes(p: Params, b: _Builder) -> None:
     if p.evaluate.best_of_n.n < 0:
         b.fail(("evaluate", "best_of_n", "n"), f"must be >= 0 (0 = off), got "
                f"{p.evaluate.best_of_n.n}")
+
+
+def _check_device(p: Params, b: _Builder) -> None:
+    if p.device == "cuda":
+        import torch        # only here: loading a cpu or auto profile imports no torch
+        if not torch.cuda.is_available():
+            b.fail(("device",), "cuda requested, but torch sees no CUDA device "
+                   "(torch.cuda.is_available() is False); use device: auto or cpu")
 
 
 def _check_import_path(p: Params, b: _Builder) -> None:

@@ -26,9 +26,9 @@ REPLAY_FILE = "replay_rollouts.jsonl"   # in models/iter_k/policy when reuse is 
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k3": kl_k3}
 
 
-def _pad(rows: Sequence[Sequence[float]]) -> Tensor:
+def _pad(rows: Sequence[Sequence[float]], device: torch.device | str = "cpu") -> Tensor:
     width = max(len(r) for r in rows)
-    return torch.tensor([list(r) + [0.0] * (width - len(r)) for r in rows])
+    return torch.tensor([list(r) + [0.0] * (width - len(r)) for r in rows], device=device)
 
 
 def shape_scores(scores: Tensor, finished: Sequence[bool], p: PPOParams) -> tuple[Tensor, Tensor]:
@@ -38,7 +38,7 @@ def shape_scores(scores: Tensor, finished: Sequence[bool], p: PPOParams) -> tupl
     (`keep`), lose `no_eos_penalty` (`penalty`) or are dropped from the batch (`drop`).
     """
     out = scores.clamp(-p.reward_clip, p.reward_clip) if p.reward_clip > 0 else scores.clone()
-    no_eos = ~torch.tensor(list(finished), dtype=torch.bool)
+    no_eos = ~torch.tensor(list(finished), dtype=torch.bool, device=scores.device)
     if p.no_eos == "penalty":
         out[no_eos] -= p.no_eos_penalty
     keep = ~no_eos if p.no_eos == "drop" else torch.ones_like(no_eos)
@@ -52,7 +52,7 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> T
     """
     rewards = -kl_coef * kl * mask                                         # (B, T)
     last = mask.sum(-1).long() - 1
-    rewards[torch.arange(len(scores)), last] += scores                     # score at EOS / cut
+    rewards[torch.arange(len(scores), device=scores.device), last] += scores   # score at EOS / cut
     return rewards
 
 
@@ -114,7 +114,7 @@ def make_experience(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Modu
     chunk = max(p.minibatch_size, 1)
     start_logprobs, values, mask = _forward_all(policy, head, rollouts, pad_id, temperature, chunk)
     ref_logprobs, _, _ = _forward_all(ref.eval(), None, rollouts, pad_id, temperature, chunk)
-    stored = _pad([r.logprobs for r in rollouts])                          # (B, T) behaviour mu
+    stored = _pad([r.logprobs for r in rollouts], mask.device)             # (B, T) behaviour mu
     n_fresh = len(rollouts) - n_reused
     old_logprobs = torch.cat([stored[:n_fresh], start_logprobs[n_fresh:]])  # pi_old
     weights, metrics = torch.ones_like(mask), {}
@@ -123,7 +123,7 @@ def make_experience(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Modu
         w, raw = offpolicy.truncated_is_weights(start_logprobs[n_fresh:], stored[n_fresh:],
                                                 mask[n_fresh:], lo, hi, p.reuse.level)
         weights[n_fresh:] = w                                              # w~ = clip(pi/mu)
-        ages = offpolicy.staleness([r.iteration for r in rollouts[n_fresh:]], it)
+        ages = offpolicy.staleness([r.iteration for r in rollouts[n_fresh:]], it, mask.device)
         metrics.update(offpolicy.reuse_metrics(w, raw, mask[n_fresh:], ages, lo, hi,
                                                p.reuse.level))
     kls = {name: est(old_logprobs, ref_logprobs) * mask for name, est in KL_ESTIMATORS.items()}
@@ -147,16 +147,18 @@ def minibatch_loss(policy: torch.nn.Module, head: ValueHead, exp: Experience, id
     """PPO loss of one minibatch: clipped surrogate + clipped value loss (+ KL if in the loss).
 
     Also returns the minibatch's approx KL(pi_old || pi) (k3, before the step) and stats.
+    idx: (b,) on the CPU (drawn by the CPU generator), moved to the batch's device to index it.
     """
-    logprobs, values, m = logprobs_and_values(policy, head, [exp.prompts[i] for i in idx],
-                                              [exp.responses[i] for i in idx], pad_id,
+    rows = idx.tolist()
+    logprobs, values, m = logprobs_and_values(policy, head, [exp.prompts[i] for i in rows],
+                                              [exp.responses[i] for i in rows], pad_id,
                                               temperature)
-    w = m.shape[1]
-    old, n = exp.old_logprobs[idx, :w], m.sum().clamp(min=1)
-    pg_loss, clipfrac = ppo_clip_loss(logprobs, old, exp.advantages[idx, :w], m, p.clip)
-    v_loss, vclipfrac = ppo_value_loss(values, exp.old_values[idx, :w], exp.returns[idx, :w],
+    w, at = m.shape[1], idx.to(exp.mask.device)
+    old, n = exp.old_logprobs[at, :w], m.sum().clamp(min=1)
+    pg_loss, clipfrac = ppo_clip_loss(logprobs, old, exp.advantages[at, :w], m, p.clip)
+    v_loss, vclipfrac = ppo_value_loss(values, exp.old_values[at, :w], exp.returns[at, :w],
                                        m, p.value_clip)
-    ref = exp.ref_logprobs[idx, :w]
+    ref = exp.ref_logprobs[at, :w]
     kl_now = {k: (est(logprobs, ref) * m).sum() / n for k, est in KL_ESTIMATORS.items()}
     loss = pg_loss + v_loss
     if p.kl_mode == "loss":
@@ -213,13 +215,13 @@ def prompt_minibatches(prompts: Sequence[Sequence[int]], size: int,
     members = lm.prompt_groups(prompts)
     out: list[Tensor] = []
     current: list[int] = []
-    for g in torch.randperm(len(members), generator=rng).tolist():
+    for g in torch.randperm(len(members), generator=rng).tolist():   # cpu: its generator
         current += members[g]
         if len(current) >= size:
-            out.append(torch.tensor(current))
+            out.append(torch.tensor(current))   # cpu: indices drawn by the CPU generator
             current = []
     if current:
-        out.append(torch.tensor(current))
+        out.append(torch.tensor(current))       # cpu: indices drawn by the CPU generator
     return out
 
 
@@ -229,7 +231,7 @@ def _select(rollouts: list[Rollout], scores: Tensor, reused: list[Rollout],
     """This iteration's rollouts, then the reused ones young enough; no_eos/reward shaping."""
     ok = [young and r.iteration != it for r, young in zip(
         reused, offpolicy.fresh_enough([r.iteration for r in reused], it, p.reuse.max_staleness))]
-    old_sc = reused_scores[torch.tensor(ok, dtype=torch.bool)] \
+    old_sc = reused_scores[torch.tensor(ok, dtype=torch.bool, device=reused_scores.device)] \
         if reused and reused_scores is not None else scores[:0]
     reused = [r for r, keep in zip(reused, ok) if keep]
     rs, raw = rollouts + reused, torch.cat([scores, old_sc])

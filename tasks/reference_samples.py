@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "")
     p, root = args.params, args.root
     ref_dir = root / layout.policy(0)
-    ref, tok = lm.load_causal_lm(ref_dir), lm.load_tokenizer(ref_dir)
+    ref, tok = lm.load_causal_lm(ref_dir, args.device), lm.load_tokenizer(ref_dir)
     prompts = load_prompts(str(root / layout.PROMPTS_HELDOUT), p.evaluate.n_prompts)
     samples = sample_rollouts(ref, tok, prompts, 1, p.evaluate.generation,
                               p.model.max_prompt_tokens, lm.weights_md5(ref_dir), 0,

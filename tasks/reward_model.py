@@ -27,6 +27,7 @@ import transformers
 from torch import Tensor
 
 from tasks import layout, lm, progress
+from tasks.device import Device, device_of
 from tasks.distributed import SINGLE, Group, record_losses
 from tasks.logistic import fit_logistic
 from tasks.losses import bradley_terry_margin_loss
@@ -44,11 +45,12 @@ class EncodedPair:
 
 
 def init_reward_model(backbone_dir: Path, rng: torch.Generator | None = None,
-                      num_layers: int = 0) -> transformers.PreTrainedModel:
+                      num_layers: int = 0, device: Device = "cpu") -> transformers.PreTrainedModel:
     """A fresh scalar head (num_labels=1) on the backbone's pretrained weights; with `rng`, the
     head is drawn from it (ensemble members differ by their head's seed). num_layers > 0 keeps
     only the backbone's first N transformer blocks (a cheaper reward model: scoring and training
-    cost scale with depth); 0 keeps them all."""
+    cost scale with depth); 0 keeps them all. The head is drawn on the CPU (rng is a CPU
+    generator: the same head on every device), then the model moves to `device`."""
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
         lm.check_model_dir(backbone_dir), num_labels=1, dtype=torch.float32)
     backbone = getattr(model, model.base_model_prefix)
@@ -60,7 +62,7 @@ def init_reward_model(backbone_dir: Path, rng: torch.Generator | None = None,
     if rng is not None:
         with torch.no_grad():
             model.score.weight.normal_(0.0, model.config.initializer_range, generator=rng)
-    return model
+    return model.to(device)
 
 
 class RewardEnsemble(torch.nn.Module):
@@ -91,13 +93,13 @@ def member_dirs(path: Path) -> list[Path]:
     return [lm.check_model_dir(d) for d in members] if members else [lm.check_model_dir(path)]
 
 
-def load_reward_model(path: Path) -> RewardEnsemble:
-    """Load a saved reward model, single or ensemble, in eval mode."""
+def load_reward_model(path: Path, device: Device = "cpu") -> RewardEnsemble:
+    """Load a saved reward model, single or ensemble, on `device`, in eval mode."""
     stats_file = Path(path) / STATS_FILE
     stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
     return RewardEnsemble([transformers.AutoModelForSequenceClassification.from_pretrained(
         d, dtype=torch.float32).eval() for d in member_dirs(path)],
-        stats.get("precision", "fp32"), stats.get("pooling", "last")).eval()
+        stats.get("precision", "fp32"), stats.get("pooling", "last")).to(device).eval()
 
 
 def save_reward_model(members: Sequence[transformers.PreTrainedModel], path: Path) -> None:
@@ -114,7 +116,7 @@ def features(model: transformers.PreTrainedModel, prompts: Sequence[Sequence[int
     """The (B, H) states the head reads: at each response's last token, or the mean over its
     tokens (an empty response: its prompt's last). Responses to the same prompt share one
     packed row, the prompt computed once (`lm.pack`)."""
-    pk = lm.pack(prompts, responses, pad_id)
+    pk = lm.pack(prompts, responses, pad_id, device_of(model))
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=pk.ids, attention_mask=pk.attention,
                       position_ids=pk.positions).last_hidden_state           # (G, T, H)
@@ -148,13 +150,14 @@ class FrozenFeatures:
     def get(self, keys: Sequence[Key]) -> Tensor:
         """(U, H) fp32 features of `keys`."""
         missing = list(dict.fromkeys(k for k in keys if k not in self.rows))
-        with lm.autocast(self.precision):
+        with lm.autocast(self.precision, device_of(self.model)):
             for s in range(0, len(missing), self.batch_size):
                 chunk = missing[s: s + self.batch_size]
                 f = features(self.model, [k[0] for k in chunk], [k[1] for k in chunk],
                              self.pad_id, self.pooling).float()                   # (b, H)
                 self.rows.update(zip(chunk, f))
-        return torch.stack([self.rows[k] for k in keys]) if keys else torch.zeros(0, 0)
+        return (torch.stack([self.rows[k] for k in keys]) if keys
+                else torch.zeros(0, 0, device=device_of(self.model)))
 
     @torch.no_grad()
     def pair_rewards(self, heads: Sequence[torch.nn.Module], data: Sequence[EncodedPair]
@@ -162,7 +165,8 @@ class FrozenFeatures:
         """Every head's (K, N) rewards of the pairs' chosen and rejected responses; a head is
         a member's `score` layer."""
         if not data:
-            return torch.zeros(len(heads), 0), torch.zeros(len(heads), 0)
+            dev = device_of(self.model)
+            return torch.zeros(len(heads), 0, device=dev), torch.zeros(len(heads), 0, device=dev)
         chosen = self.get([(e.prompt_ids, e.chosen_ids) for e in data])            # (N, H)
         rejected = self.get([(e.prompt_ids, e.rejected_ids) for e in data])
         return tuple(torch.stack([h(x).squeeze(-1).float() for h in heads])          # (K, N)
@@ -193,9 +197,10 @@ def member_pair_rewards(model: RewardModel, batch: Sequence[EncodedPair],
             index.setdefault((e.prompt_ids, side), len(index))
     r = member_rewards(model, [k[0] for k in index], [k[1] for k in index], pad_id,
                        pooling)                                                      # (K, U)
-    chosen = torch.tensor([index[(e.prompt_ids, e.chosen_ids)] for e in batch], dtype=torch.long)
+    chosen = torch.tensor([index[(e.prompt_ids, e.chosen_ids)] for e in batch], dtype=torch.long,
+                          device=r.device)
     rejected = torch.tensor([index[(e.prompt_ids, e.rejected_ids)] for e in batch],
-                            dtype=torch.long)
+                            dtype=torch.long, device=r.device)
     return r[:, chosen], r[:, rejected]
 
 
@@ -207,7 +212,8 @@ def prompt_batches(data: Sequence[EncodedPair], batch_size: int,
     for e in data:
         groups.setdefault(e.prompt_ids, []).append(e)
     ordered = list(groups.values())
-    flat = [e for g in torch.randperm(len(ordered), generator=rng).tolist() for e in ordered[g]]
+    flat = [e for g in torch.randperm(len(ordered), generator=rng).tolist()  # cpu: its generator
+            for e in ordered[g]]
     return [flat[s: s + batch_size] for s in range(0, len(flat), batch_size)]
 
 
@@ -218,7 +224,7 @@ def member_rewards(model: RewardModel, prompts: Sequence[Sequence[int]],
     `pooling` (`pooling` is for a bare model, as in training)."""
     if not isinstance(model, RewardEnsemble):
         return _single_rewards(model, prompts, responses, pad_id, pooling)[None]
-    with lm.autocast(model.precision):
+    with lm.autocast(model.precision, device_of(model)):
         return torch.stack([_single_rewards(m, prompts, responses, pad_id, model.pooling)
                             for m in model.members])
 
@@ -292,7 +298,7 @@ def pair_margins(model: RewardModel, data: Sequence[EncodedPair], pad_id: int,
     model.eval()
     k = len(model) if isinstance(model, RewardEnsemble) else 1
     if not data:
-        return torch.zeros(k, 0)
+        return torch.zeros(k, 0, device=device_of(model))
     return torch.cat([_margins(model, data[s: s + batch_size], pad_id)
                       for s in range(0, len(data), batch_size)], dim=1)
 
@@ -324,14 +330,16 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=p.weight_decay)
     losses: list[float] = []
     pg = progress.track(p.epochs * -(-len(train) // p.batch_size), "steps", "pairs")
+    device = device_of(model)
     for _ in range(p.epochs):
         model.train()
         for batch in prompt_batches(train, p.batch_size, rng):      # the same on every rank
-            shard = [batch[i] for i in group.shard(torch.arange(len(batch))).tolist()]
+            shard = [batch[i] for i in group.shard(
+                torch.arange(len(batch))).tolist()]   # cpu: list indices, read back at once
             opt.zero_grad()
-            loss = torch.zeros(())
+            loss = torch.zeros((), device=device)
             if shard:
-                with lm.autocast(p.precision):
+                with lm.autocast(p.precision, device):
                     margins = _margins(model, shard, pad_id, p.pooling)[0]        # (B,)
                 per_pair = bradley_terry_margin_loss(margins, torch.zeros_like(margins),
                                                      p.margin)   # -log sigma(r_c - r_r - m)
@@ -367,7 +375,8 @@ def fit_probe_head(model: transformers.PreTrainedModel, train: Sequence[EncodedP
                         - feats[index[(e.prompt_ids, e.rejected_ids)]] for e in train])  # (N, H)
     scale = diff.std(0) + 1e-6
     x = torch.cat([diff / scale, -diff / scale])      # both orientations: no bias is needed
-    y = torch.cat([torch.ones(len(diff)), torch.zeros(len(diff))])
+    y = torch.cat([torch.ones(len(diff), device=diff.device),
+                   torch.zeros(len(diff), device=diff.device)])
     w, _ = fit_logistic(x, y, p.probe_l2)
     with torch.no_grad():
         model.score.weight.copy_((w / scale)[None].to(model.score.weight.dtype))
@@ -382,7 +391,8 @@ def pair_rewards(model: RewardModel, data: Sequence[EncodedPair], pad_id: int,
     model.eval()
     k = len(model) if isinstance(model, RewardEnsemble) else 1
     if not data:
-        return torch.zeros(k, 0), torch.zeros(k, 0)
+        empty = torch.zeros(k, 0, device=device_of(model))
+        return empty, empty.clone()
     both = [member_pair_rewards(model, data[s: s + batch_size], pad_id)
             for s in range(0, len(data), batch_size)]
     return torch.cat([c for c, _ in both], dim=1), torch.cat([r for _, r in both], dim=1)
@@ -406,7 +416,7 @@ def ensemble_metrics(model: RewardModel, train: Sequence[EncodedPair],
              else (lambda d: pair_rewards(model, d, pad_id)))
     held = ensemble_agreement(torch.sub(*score(heldout)))
     r_c, r_r = score(train)                                               # (K, N) each
-    flat = torch.cat([r_c.mean(0), r_r.mean(0)]) if train else torch.zeros(1)
+    flat = torch.cat([r_c.mean(0), r_r.mean(0)]) if train else torch.zeros(1, device=r_c.device)
     stats = {"mean": float(flat.mean()), "std": float(flat.std()) if flat.numel() > 1 else 1.0}
     metrics = {"rm/accuracy": held["accuracy"], "rm/member_accuracy": held["member_accuracy"],
                "rm/ensemble_disagreement": held["disagreement"],

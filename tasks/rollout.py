@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     policy_dir = args.root / layout.policy(it - 1)
     tok = lm.load_tokenizer(policy_dir)
     # with Ray workers each loads its own replica: the stage process needs none
-    model = lm.load_causal_lm(policy_dir) if p.rollout.workers == 1 else None
+    model = lm.load_causal_lm(policy_dir, args.device) if p.rollout.workers == 1 else None
     prompts = load_prompts(str(args.root / layout.PROMPTS_TRAIN), p.rollout.n_prompts,
                            offset=(it - 1) * p.rollout.n_prompts)
     rollouts = sample_rollouts(model, tok, prompts, p.rollout.samples_per_prompt,

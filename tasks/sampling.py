@@ -62,7 +62,7 @@ def _draw_full(logits: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     target = u * z                                                  # u ~ U[0, 1)
     blk = _first_above(cdf, target)
     rest = target - (cdf.gather(1, blk[:, None]) - mass.gather(1, blk[:, None])).squeeze(-1)
-    cols = blk[:, None] * BLOCK + torch.arange(BLOCK)               # (B, BLOCK)
+    cols = blk[:, None] * BLOCK + torch.arange(BLOCK, device=blk.device)   # (B, BLOCK)
     inside = e.gather(1, cols.clamp(max=v - 1)).double().masked_fill_(cols >= v, 0.0)
     tok = blk * BLOCK + _first_above(inside.cumsum(-1), rest)
     logp = e.gather(1, tok[:, None]).squeeze(-1).double().log() - z.log()   # log p(tok)
@@ -107,11 +107,13 @@ class HFDecoder:
                  pad_id: int, temperature: float):
         b, width = len(prompts), max(len(p) for p in prompts)
         self.model, self.temperature, self.cache = model, temperature, None
-        self.ids = torch.full((b, width), pad_id, dtype=torch.long)
-        self.mask = torch.zeros((b, width), dtype=torch.long)
+        ids = torch.full((b, width), pad_id, dtype=torch.long)   # cpu: host rows, copied once
+        mask = torch.zeros((b, width), dtype=torch.long)          # cpu: host rows, copied once
         for i, p in enumerate(prompts):
-            self.ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            self.mask[i, width - len(p):] = 1
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)  # cpu: host rows, one copy
+            mask[i, width - len(p):] = 1
+        device = lm.device_of(model)
+        self.ids, self.mask = ids.to(device), mask.to(device)
         accepts = inspect.signature(model.forward).parameters
         self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
         self.next_pos = self.mask.sum(-1)                                  # (B,)
@@ -127,7 +129,8 @@ class HFDecoder:
         return self._logits(self.ids, positions)
 
     def step(self, tokens: Tensor) -> Tensor:
-        self.mask = torch.cat([self.mask, torch.ones((len(tokens), 1), dtype=torch.long)], 1)
+        self.mask = torch.cat([self.mask, torch.ones((len(tokens), 1), dtype=torch.long,
+                                                     device=tokens.device)], 1)
         logits = self._logits(tokens[:, None], self.next_pos[:, None])
         self.next_pos = self.next_pos + 1
         return logits
@@ -149,13 +152,16 @@ def decoders(model: torch.nn.Module, *, pad_id: int, temperature: float,
 def sample_rows(dec: Decoder, u: Tensor, *, eos_id: int, pad_id: int,
                  top_p: float) -> list[Sample]:
     """Draw one response per row of the decoder, step t at uniforms u[:, t] (B, T); stops at
-    EOS (kept) or after T tokens."""
+    EOS (kept) or after T tokens. u is drawn on the CPU (the seeded generator's draws are the
+    same on every device) and copied to the decoder's device once."""
     b, max_new_tokens = u.shape
     logits = dec.prefill()
-    tokens = torch.zeros((b, max_new_tokens), dtype=torch.long)
-    logps = torch.zeros((b, max_new_tokens))
-    done = torch.zeros(b, dtype=torch.bool)
-    lengths = torch.full((b,), max_new_tokens, dtype=torch.long)
+    device = logits.device
+    u = u.to(device)
+    tokens = torch.zeros((b, max_new_tokens), dtype=torch.long, device=device)
+    logps = torch.zeros((b, max_new_tokens), device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    lengths = torch.full((b,), max_new_tokens, dtype=torch.long, device=device)
     for t in range(max_new_tokens):
         # 1. an exact draw from the tempered (and nucleus-filtered) distribution
         tok, logp = draw(logits, top_p, u[:, t])
@@ -171,6 +177,7 @@ def sample_rows(dec: Decoder, u: Tensor, *, eos_id: int, pad_id: int,
         # 3. one cached decoding step
         logits = dec.step(tok)
     samples = []
+    tokens, logps, lengths = tokens.cpu(), logps.cpu(), lengths.cpu()   # read back once
     for i in range(b):
         n = int(lengths[i])
         ids_i = tuple(int(x) for x in tokens[i, :n])
@@ -212,8 +219,10 @@ def _sample_sharded(make: Callable[[Sequence[Sequence[int]]], Decoder],
 
 
 def batch_uniforms(b: int, max_new_tokens: int, generator: torch.Generator) -> Tensor:
-    """The uniforms of one batch, one per row and step, in row order: (B, T) fp64."""
-    return torch.rand((b, max_new_tokens), generator=generator, dtype=torch.float64)
+    """The uniforms of one batch, one per row and step, in row order: (B, T) fp64, on the CPU
+    with the CPU generator on every device (sample_rows copies them to the model's)."""
+    return torch.rand((b, max_new_tokens), generator=generator,  # cpu: the seeded draws
+                      dtype=torch.float64)
 
 
 def thread_shards(prompts: Sequence[Sequence[int]], threads: int) -> list[slice]:

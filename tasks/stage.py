@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tasks import atomic, layout
+from tasks.device import resolve_device
 from tasks.errors import InputError
 from tasks.params import Params, load_params
 
@@ -28,6 +29,7 @@ class StageArgs:
     params: Params
     root: Path
     it: int
+    device: torch.device = torch.device("cpu")   # params.device resolved (tasks/device.py)
 
 
 def parse(argv: list[str] | None, description: str) -> StageArgs:
@@ -39,7 +41,7 @@ def parse(argv: list[str] | None, description: str) -> StageArgs:
     params = load_params(root / layout.PARAMS_FILE)
     torch.set_num_threads(int(os.environ.get(THREADS_ENV, os.cpu_count() or 1)))
     torch.manual_seed(params.seed)      # implicit inits (a new reward head) are reproducible
-    return StageArgs(params, root, ns.it)
+    return StageArgs(params, root, ns.it, resolve_device(params.device))
 
 
 def generator(seed: int, *salt: int) -> torch.Generator:
@@ -47,7 +49,7 @@ def generator(seed: int, *salt: int) -> torch.Generator:
     s = seed
     for x in salt:
         s = (s * 1_000_003 + x) % (2**63 - 1)
-    return torch.Generator().manual_seed(s)
+    return torch.Generator().manual_seed(s)   # on the CPU on every device: the same draws
 
 
 def write_metrics(root: Path, rel: str, metrics: dict[str, float]) -> None:

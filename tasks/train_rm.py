@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from tasks import atomic, audit, distributed, jsonl, layout, lm, mlflow_model, model_card, stage
+from tasks.device import Device
 from tasks.distributed import SINGLE, Group
 from tasks.jsonl import DataError
 from tasks.params import Params
@@ -26,7 +27,7 @@ from tasks.reward_model import (EncodedPair, FrozenFeatures, RewardEnsemble, enc
 
 
 def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_id: int,
-                  it: int, group: Group = SINGLE
+                  it: int, group: Group = SINGLE, device: Device = "cpu"
                   ) -> tuple[list[transformers.PreTrainedModel], dict[str, float],
                              FrozenFeatures | None]:
     """K members, member i seeded by (seed, it, i); loss stats averaged over members. With
@@ -40,13 +41,14 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
     cache = None
     for i in range(rp.ensemble):
         model = init_reward_model(backbone, stage.generator(p.seed, 2, it, i, 0),   # head init
-                                  rp.num_layers)
+                                  rp.num_layers, device)
         if rp.epochs == 0 and cache is None:
             cache = FrozenFeatures(model, pad_id, rp.pooling, rp.precision)
         run: dict[str, float] = {}
         if rp.head_init == "probe" and train:
             data = train if rp.ensemble == 1 else [train[j] for j in torch.randint(
-                len(train), (len(train),), generator=stage.generator(p.seed, 2, it, i, 2))]
+                len(train), (len(train),),  # cpu: its generator
+                generator=stage.generator(p.seed, 2, it, i, 2))]
             run.update(fit_probe_head(model, data, rp, pad_id, cache=cache))
         if rp.epochs > 0:
             run.update(train_reward(model, train, rp, pad_id,
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     train, held = heldout_split(pairs, p.train_rm.heldout_fraction)
     enc = lambda ps: encode_pairs(tok, ps, p.model.max_prompt_tokens, p.train_rm.max_length)  # noqa: E731
     enc_train, enc_held = enc(train), enc(held)
-    members, metrics, cache = train_members(backbone, enc_train, p, tok.pad_token_id, it, group)
+    members, metrics, cache = train_members(backbone, enc_train, p, tok.pad_token_id, it, group,
+                                            args.device)
     if not group.main:                          # ranks > 0 write nothing
         distributed.close(group)
         return
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     rm_metrics, stats = ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id, cache)
     metrics.update(rm_metrics)
     metrics.update(audit_metrics)
-    metrics["rm/bf16"] = float(lm.effective_precision(p.train_rm.precision) == "bf16")
+    metrics["rm/bf16"] = float(lm.effective_precision(p.train_rm.precision, args.device) == "bf16")
     metrics["rm/n_onpolicy"] = float(sum(1 for x in pairs if x.source.startswith("iter_")))
     new = [x for x in pool if x.source == f"iter_{it}"]         # the judge's labels, unaudited
     margins = (cache.margins(heads(ensemble), enc(new)) if cache is not None
@@ -102,8 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     with atomic.directory(root / layout.reward_model(it)) as tmp:
         save_reward_model(members, tmp)
         tok.save_pretrained(tmp)
-        save_stats(tmp, {**stats, "precision": lm.effective_precision(p.train_rm.precision),
-                         "pooling": p.train_rm.pooling})
+        save_stats(tmp, {**stats, "pooling": p.train_rm.pooling,
+                         "precision": lm.effective_precision(p.train_rm.precision, args.device)})
         atomic.write_json(tmp / layout.MODEL_META, {"iteration": it, "role": "reward_model",
                                                     "pairs": len(pairs), "ensemble": len(members)})
         mlflow_model.write_mlflow_model(tmp, "text-classification",

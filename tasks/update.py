@@ -18,6 +18,7 @@ import torch
 
 from tasks import (atomic, distributed, jsonl, layout, lm, mlflow_model, model_card, stage,
                    value_head)
+from tasks.device import device_of
 from tasks.distributed import SINGLE, Group
 from tasks.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
 from tasks.params import Params
@@ -42,7 +43,7 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
     if d.pair_source == "rm":       # best vs worst of each prompt's K rollouts by this RM
         path = str(root / layout.rollouts(it))
         rollouts = [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
-        rm = load_reward_model(root / layout.reward_model(it))
+        rm = load_reward_model(root / layout.reward_model(it), device_of(policy))
         onpolicy, metrics = rm_best_vs_worst(rm, rollouts, pad, max_len)
     else:                           # best vs worst by the judge (judge@it)
         path = str(root / layout.pairs(it))
@@ -54,9 +55,10 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
         pick = offpolicy_indices(len(onpolicy), len(pool), d.offpolicy_mix,
                                  stage.generator(p.seed, 7, it))
         offpolicy = encode([pool[i] for i in pick])
-    weights = torch.tensor([1.0] * len(onpolicy) + [d.offpolicy_weight] * len(offpolicy))
+    weights = torch.tensor([1.0] * len(onpolicy) + [d.offpolicy_weight] * len(offpolicy),
+                           device=device_of(policy))
     metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, d, pad, rng, weights, group))
-    metrics.update({"update/bf16": float(lm.effective_precision(d.precision) == "bf16"),
+    metrics.update({"update/bf16": float(lm.effective_precision(d.precision, device_of(policy)) == "bf16"),
                     "update/n_onpolicy_pairs": float(len(onpolicy)),
                     "update/n_offpolicy_pairs": float(len(offpolicy)),
                     "update/offpolicy_weight": d.offpolicy_weight})
@@ -72,7 +74,8 @@ def _scores(rm: torch.nn.Module, stats: dict[str, float], rollouts: list[Rollout
     with torch.no_grad():
         raw = torch.cat([rewards(rm, [r.prompt_ids for r in rollouts[s: s + 32]],
                                  [r.response_ids for r in rollouts[s: s + 32]], pad)
-                         for s in range(0, len(rollouts), 32)]) if rollouts else torch.zeros(0)
+                         for s in range(0, len(rollouts), 32)]) if rollouts else \
+            torch.zeros(0, device=device_of(rm))
     return (raw - stats["mean"]) / max(stats["std"], 1e-6)               # normalised RM reward
 
 
@@ -95,9 +98,10 @@ def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
     prev_dir = root / layout.policy(it - 1)
     reused = _read_rollouts(prev_dir / REPLAY_FILE) if q.reuse.iterations_back >= 1 else []
     rm_dir = root / layout.reward_model(it)
-    rm, stats = load_reward_model(rm_dir), load_stats(rm_dir)
+    device = device_of(policy)
+    rm, stats = load_reward_model(rm_dir, device), load_stats(rm_dir)
     head, loaded = value_head.load_or_init(prev_dir, policy.config.hidden_size,  # type: ignore[attr-defined]
-                                           q.value_reuse)
+                                           q.value_reuse, device)
     metrics = train_ppo(policy, head, ref, rollouts, _scores(rm, stats, rollouts, pad), q, pad,
                         rng, it, reused, _scores(rm, stats, reused, pad))
     metrics["update/value_head_reused"] = float(loaded)
@@ -134,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     if group is None:                         # ran on N ranks under torchrun
         return
     start_dir = root / layout.policy(it - 1)
-    policy, tok = lm.load_causal_lm(start_dir), lm.load_tokenizer(start_dir)
-    ref = lm.load_causal_lm(root / reference_dir(p, it))
+    policy, tok = lm.load_causal_lm(start_dir, args.device), lm.load_tokenizer(start_dir)
+    ref = lm.load_causal_lm(root / reference_dir(p, it), args.device)
     for q in ref.parameters():
         q.requires_grad_(False)
     out = ALGORITHMS[p.update.algo](policy, ref, tok, p, root, it, stage.generator(p.seed, 3, it),

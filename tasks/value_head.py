@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from tasks import lm
+from tasks.device import Device, device_of
 from tasks.errors import InputError
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -34,30 +35,31 @@ class ValueHead(torch.nn.Module):
 
 
 def save(head: ValueHead, model_dir: Path) -> None:
-    save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()},
+    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
               str(model_dir / VALUE_HEAD_FILE))
 
 
-def load_or_init(model_dir: Path, hidden_size: int, reuse: bool) -> tuple[ValueHead, bool]:
-    """The head saved in model_dir when reuse is on and it exists, else a fresh one.
-
-    Returns the head and whether it was loaded. A stored head of another width is an error.
-    """
+def load_or_init(model_dir: Path, hidden_size: int, reuse: bool,
+                 device: Device = "cpu") -> tuple[ValueHead, bool]:
+    """The head saved in model_dir when reuse is on and it exists, else a fresh one, on
+    `device`. Returns the head and whether it was loaded. A stored head of another width is an
+    error."""
     head, path = ValueHead(hidden_size), model_dir / VALUE_HEAD_FILE
     if not (reuse and path.is_file()):
-        return head, False
+        return head.to(device), False
     state = load_file(str(path))
-    if state.get("linear.weight", torch.empty(0)).shape != (1, hidden_size):
+    weight = state.get("linear.weight")
+    if weight is None or weight.shape != (1, hidden_size):
         raise InputError(f"{path}: value head does not fit hidden size {hidden_size}")
     head.load_state_dict(state)
-    return head, True
+    return head.to(device), True
 
 
 class _HiddenTap:
     """Calls the model with output_hidden_states and keeps the last layer's states."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model, self.hidden = model, torch.empty(0)
+        self.model, self.hidden = model, torch.empty(0)   # cpu: a placeholder, set per call
 
     def __call__(self, **kwargs: Tensor) -> object:
         out = self.model(**kwargs, output_hidden_states=True)
@@ -75,7 +77,7 @@ def logprobs_and_values(policy: torch.nn.Module, head: ValueHead,
     prompt share one packed row (`lm.pack`), the prompt computed once.
     """
     tap = _HiddenTap(policy)
-    pk = lm.pack(prompts, responses, pad_id)
+    pk = lm.pack(prompts, responses, pad_id, device_of(policy))
     logprobs, mask = lm.packed_logprobs(tap, pk, temperature)  # type: ignore[arg-type]
     hidden = tap.hidden.detach()                                         # critic: a probe
     pred, _, _ = pk.predictors()                                         # (B, R)

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("native, expected", [(True, "bf16"), (False, "fp32")])
 def test_auto_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, native: bool,
                               expected: str) -> None:
-    monkeypatch.setattr(lm, "native_bf16", lambda: native)
+    monkeypatch.setattr(lm, "native_bf16", lambda *a: native)
     assert lm.effective_precision("auto") == expected
     assert lm.effective_precision("fp32") == "fp32"
     assert lm.effective_precision("bf16") == "bf16"       # asked for: kept
@@ -25,7 +25,7 @@ def test_auto_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, native: bool,
 
 def test_bf16_without_native_kernels_warns_once(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(lm, "native_bf16", lambda: False)
+    monkeypatch.setattr(lm, "native_bf16", lambda *a: False)
     monkeypatch.setattr(lm, "_warned_bf16", False)
     for _ in range(3):
         assert lm.effective_precision("bf16") == "bf16"

@@ -92,3 +92,23 @@ def test_prefect_flow_run_logs_hold_every_stage_result_line(tiny_run):
         run_cli("server", "stop", "--workspace", str(ws), check=False)
     for stage in ordered_stages(ws):
         assert any(m.startswith(f"[ran] {stage.name} (") for m in messages), stage.name
+
+
+def test_stage_runs_that_ran_torch_record_the_resolved_device(tiny_run):
+    """`device: auto` in the params; the device it resolved to is a tag of each stage run
+    that declares the param (cpu here: no CUDA), and of no other."""
+    import torch
+    ws = tiny_run["ws"]
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
+    _, _, runs = _runs(ws)
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    seen = set()
+    for run in runs:
+        name = run.data.tags.get("alignloop.dvc_stage")
+        if name is None or run.data.tags.get("alignloop.outcome") != "ran":
+            continue
+        declares = "device" in lock[name]["params"]["params.yaml"]
+        assert run.data.tags.get("alignloop.device") == (want if declares else None), name
+        assert run.data.params.get("device") == ("auto" if declares else None), name
+        seen.add(name.partition("@")[0])
+    assert {"rollout", "update", "evaluate", "train_rm"} <= seen
