@@ -3,7 +3,9 @@
     python benchmarks/run.py [--quick] [--only train,rollout,cached,scaling,vs_trl] [--model DIR]
 
 Sections (each prints progress lines; the last line of stdout is one JSON object):
-- `peaks`: fp32 and bf16 matmul GFLOP/s at the stages' thread count (benchmarks/peaks.py);
+- `peaks`: fp32 and bf16 matmul GFLOP/s at the stages' thread count (benchmarks/peaks.py),
+  measured when `train` runs (the denominator of its MFU; on a CPU without AVX512-BF16 the bf16
+  matmuls alone take many minutes);
 - `train`: model-FLOP utilisation of the DPO, reward-model and PPO updates against the peak
   measured right before each (benchmarks/train_bench.py: FLOP convention in its docstring);
 - `rollout`: new tokens/s of the rollout sampler over plain `model.generate`, same model,
@@ -153,7 +155,7 @@ def run(a: argparse.Namespace, only: list[str], work: Path) -> int:
     errors: dict[str, str] = {}
     model_dir = ensure_model(a.model) if {"train", "rollout", "scaling", "vs_trl"} & set(only) \
         else None
-    peaks = section("peaks", measure_peaks, errors)
+    peaks = section("peaks", measure_peaks, errors) if "train" in only else None
     train = rollout = cached = scaling = vs_trl = None
     if "train" in only:
         from benchmarks.train_bench import measure_train_mfu
