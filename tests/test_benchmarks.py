@@ -100,3 +100,23 @@ def test_stage_peak_memory_is_the_childs_own() -> None:
     watcher.join()
     assert 150 * 1024 <= peak[0] < 300 * 1024, peak[0]       # KiB
     del ballast
+
+
+def test_vs_trl_losses_equal_trls_on_a_tiny_model(tmp_path) -> None:
+    """benchmarks/vs_trl.py on a tiny random model, 2 steps of 1 pair per side: our DPO and RM
+    losses equal TRL's DPOTrainer's and RewardTrainer's step by step (same pairs, order and
+    settings).
+    trl comes with `make setup` (the `bench` extra), so this is not skipped there."""
+    from benchmarks.vs_trl import TRL_VERSION, measure_vs_trl, trl_version
+    from tasks.params import TinyModelParams
+    from tasks.tiny_model import save_tiny
+    assert trl_version() == TRL_VERSION, "pip install -e '.[bench]' (trl is missing or other)"
+    save_tiny(TinyModelParams(), 0, tmp_path)
+    out = measure_vs_trl(tmp_path, ["dpo", "rm"], n_pairs=2, repeats=1, epochs=1,
+                         batch_size=1, log=lambda _: None)
+    for kind, tolerance in (("dpo", 1e-4), ("rm", 1e-5)):
+        r = out[kind]
+        assert r["steps"] == 2 and r["same_steps"], r
+        assert r["loss_max_abs_diff"] < tolerance, (kind, r["ours"]["losses"], r["trl"]["losses"])
+        assert r["ours"]["losses"][0] != r["ours"]["losses"][1]       # the first step trained
+        assert r["ours"]["pairs_per_s"] > 0 and r["trl"]["pairs_per_s"] > 0

@@ -1,0 +1,453 @@
+"""Our DPO and reward-model updates against TRL's DPOTrainer and RewardTrainer, in one run.
+
+    python benchmarks/vs_trl.py [--model DIR] [--kinds dpo,rm,ppo] [--pairs 48] [--repeats 3]
+
+TRL is a benchmark-only dependency (`pip install -e '.[bench]'`: trl==1.16.0); without it the
+section reports itself skipped. Both sides get the same model (the converted default model, or
+--model), the same pairs as token ids, the same batches in the same order and the same
+hyperparameters (params/default.yaml's update.dpo / train_rm), fp32 on both sides:
+- pairs: `build_pairs`, deterministic: the default train prompts chat-rendered as the stages
+  render them, chosen = hand-written review sentences, rejected = hand-written correspondence
+  sentences (params/gold/register_examples.jsonl), each response cut to RESPONSE_TOKENS ids.
+- order: ours draws each epoch's order from its rng (`train_dpo`: randperm; `train_reward`:
+  `prompt_batches`); TRL's train sampler is replaced by one that yields exactly those orders
+  (`_FixedOrder`), its dataset otherwise unshuffled.
+- optimiser: AdamW (torch's, betas 0.9/0.999, eps 1e-8, our weight decay), constant learning
+  rate, no warm-up, no gradient clipping (ours clips nothing: TRL's max_grad_norm=0), batch =
+  ours, gradient accumulation 1; TRL at its fastest CPU settings: gradient checkpointing off,
+  reference log-probs precomputed (`precompute_ref_log_probs`), no reporting, no saving.
+- timing: only training, model loading excluded. Ours: the whole `train_dpo` / `train_reward`
+  call (the DPO reference pass included). TRL: `train()` plus, for DPO, its reference-log-prob
+  precompute (which it runs inside the trainer's constructor): the reference pass counted on
+  both sides. The rest of TRL's constructor (accelerator set-up, a hash of the model's
+  weights for its precompute cache) is not counted. Sides alternate (ours, trl, ours, ...)
+  `--repeats` times; the fastest and the median of each are reported.
+- losses: ours from the per-step loss file `train_dpo` / `train_reward` write when
+  ALIGNLOOP_STEP_LOSSES is set, TRL's from its `compute_loss` each step; the largest absolute
+  per-step difference over all repeats is reported (both are deterministic on CPU, so repeats
+  agree with themselves).
+
+Settings that differ from the default profile, and why (they are the same on both sides):
+- fp32 (profile: bf16 autocast): TRL's bf16 is whole-model bf16 weights, not autocast; fp32 is
+  the one precision both run the same way.
+- DPO without the SFT anchor (profile: sft_weight 1, RPO): TRL 1.16 has no rpo_alpha; its
+  `sft` loss term averages the NLL over all chosen tokens of a batch, ours per pair then over
+  pairs, so the two differ whenever lengths differ. The term is one extra sum over log-probs
+  the forward pass already has, so it does not move the speed.
+- RM: pooling `last` (profile: mean; TRL reads the last token only), head drawn at random from
+  the same seed on both sides (profile: probe-fitted; TRL has no probe), 1 epoch (profile: 0,
+  the probe alone), the profile's 12 backbone blocks kept on both sides (the same model object
+  type, copied). Responses end without EOS, as most sampled ones (cut at max_new_tokens) do:
+  with EOS = pad, HF's sequence-classification read-out would take the token before EOS.
+
+PPO: TRL 1.16 ships no PPO trainer (the wheel has no ppo module): it moved to trl.experimental
+in v1.10 (huggingface/trl#4482), the old import went in #5051 and the experimental trainer in
+#7020. Its on-policy trainers
+(RLOO, GRPO) generate their own completions inside `train()` and have neither a value head nor
+GAE, so they cannot be made to do our PPO update's work from fixed rollouts; ours is reported
+alone (`ppo_section`: rollouts/s, tokens/s and GFLOP/s in benchmarks/train_bench.py's FLOP
+convention).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tasks import lm  # noqa: E402
+from tasks.distributed import LOSSES_ENV  # noqa: E402
+from tasks.params import DPOParams, Params, TrainRMParams, load_params  # noqa: E402
+from tasks.prompts import build_prompts, read_lines  # noqa: E402
+from tasks.records import parse_prompt  # noqa: E402
+from tasks.reward_model import EncodedPair, prompt_batches  # noqa: E402
+
+TRL_VERSION = "1.16.0"
+RESPONSE_TOKENS = 40
+SENTENCES = ROOT / "params" / "gold" / "register_examples.jsonl"
+
+
+def trl_version() -> str | None:
+    """The installed TRL's version, or None when it is not installed."""
+    try:
+        import trl
+    except ImportError:
+        return None
+    return str(trl.__version__)
+
+
+# 1. inputs and batch orders -----------------------------------------------------------------
+
+def build_pairs(tok: Any, params: Params, n: int, seed: int = 0,
+                response_tokens: int = RESPONSE_TOKENS) -> list[EncodedPair]:
+    """n pairs on n distinct default train prompts; chosen: review sentences, rejected:
+    correspondence sentences, drawn with `seed`, joined and cut to response_tokens ids (no
+    EOS)."""
+    p = params.prompts
+    subjects, templates = read_lines(ROOT / p.subjects_file), read_lines(ROOT / p.templates_file)
+    train, _ = build_prompts(subjects, templates, replace(p, n_train=n, n_heldout=0), seed)
+    rows = [json.loads(line) for line in SENTENCES.read_text().splitlines() if line.strip()]
+    reviews = [r["text"] for r in rows if r["label"] == "review"]
+    letters = [r["text"] for r in rows if r["label"] != "review"]
+    rng = random.Random(seed)
+
+    def response(pool: list[str]) -> tuple[int, ...]:
+        text = " ".join(rng.sample(pool, 4))
+        return tuple(tok(text, add_special_tokens=False)["input_ids"][:response_tokens])
+
+    return [EncodedPair(tuple(lm.render_prompt(tok, parse_prompt(rec, "prompt"),
+                                               params.model.max_prompt_tokens)),
+                        response(reviews), response(letters)) for rec in train[:n]]
+
+
+def dpo_orders(n: int, epochs: int, seed: int) -> list[list[int]]:
+    """The pair order of each epoch of `train_dpo` with rng seeded `seed`."""
+    rng = torch.Generator().manual_seed(seed)
+    return [torch.randperm(n, generator=rng).tolist() for _ in range(epochs)]
+
+
+def rm_orders(pairs: Sequence[EncodedPair], epochs: int, seed: int) -> list[list[int]]:
+    """The pair order of each epoch of `train_reward` with rng seeded `seed` (prompt_batches)."""
+    rng = torch.Generator().manual_seed(seed)
+    at = {id(e): i for i, e in enumerate(pairs)}
+    return [[at[id(e)] for batch in prompt_batches(pairs, len(pairs), rng) for e in batch]
+            for _ in range(epochs)]
+
+
+def pair_tokens(pairs: Sequence[EncodedPair]) -> int:
+    """Real tokens of one pass over the pairs, counted as two sequences per pair
+    (prompt + chosen, prompt + rejected) on both sides, whether a side packs them or not."""
+    return sum(2 * len(e.prompt_ids) + len(e.chosen_ids) + len(e.rejected_ids) for e in pairs)
+
+
+@dataclass(frozen=True)
+class Side:
+    seconds: float
+    losses: list[float]
+
+
+# 2. our side: the stages' own training functions ------------------------------------------
+
+def _ours(train: Callable[[], Any]) -> Side:
+    """Run one of our training calls with its per-step loss file (tasks/distributed.py)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "losses.json"
+        old = os.environ.get(LOSSES_ENV)
+        os.environ[LOSSES_ENV] = str(path)
+        try:
+            t0 = time.perf_counter()
+            train()
+            seconds = time.perf_counter() - t0
+        finally:
+            os.environ.pop(LOSSES_ENV) if old is None else os.environ.update({LOSSES_ENV: old})
+        return Side(seconds, [float(x) for x in json.loads(path.read_text())["losses"]])
+
+
+def ours_dpo(model_dir: Path, pairs: Sequence[EncodedPair], p: DPOParams, pad: int,
+             seed: int) -> Side:
+    from tasks.dpo import train_dpo
+    policy, ref = lm.load_causal_lm(model_dir), lm.load_causal_lm(model_dir)
+    for w in ref.parameters():
+        w.requires_grad_(False)
+    return _ours(lambda: train_dpo(policy, ref, pairs, p, pad, torch.Generator().manual_seed(seed)))
+
+
+def rm_model(model_dir: Path, p: TrainRMParams) -> Any:
+    """The reward model both sides start from: the profile's blocks, the head from seed 0."""
+    from tasks.reward_model import init_reward_model
+    return init_reward_model(model_dir, torch.Generator().manual_seed(0), p.num_layers)
+
+
+def ours_rm(model_dir: Path, pairs: Sequence[EncodedPair], p: TrainRMParams, pad: int,
+            seed: int) -> Side:
+    from tasks.reward_model import train_reward
+    model = rm_model(model_dir, p)
+    return _ours(lambda: train_reward(model, pairs, p, pad, torch.Generator().manual_seed(seed)))
+
+
+# 3. TRL's side ------------------------------------------------------------------------------
+
+class _FixedOrder(torch.utils.data.Sampler[int]):
+    """Yields orders[e] in epoch e (the Trainer calls set_epoch before each epoch)."""
+
+    def __init__(self, orders: list[list[int]]):
+        self.orders, self.epoch = orders, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.orders[min(self.epoch, len(self.orders) - 1)])
+
+    def __len__(self) -> int:
+        return len(self.orders[0])
+
+
+def _instrumented(base: type, orders: list[list[int]]) -> type:
+    """`base` (a TRL trainer) with our batch order, per-step losses recorded, its reference
+    precompute timed, and pre-tokenised DPO rows passed through unchanged."""
+
+    class Bench(base):  # type: ignore[misc, valid-type]
+        step_losses: list[float]
+        precompute_s = 0.0
+
+        def _prepare_dataset(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
+            if "prompt_ids" in dataset.column_names:          # DPO rows: our ids as they are
+                return dataset
+            return super()._prepare_dataset(dataset, *args, **kwargs)
+
+        def _precompute_ref_logps(self, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = super()._precompute_ref_logps(*args, **kwargs)
+            type(self).precompute_s += time.perf_counter() - t0
+            return out
+
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> torch.utils.data.Sampler:
+            return _FixedOrder(orders)
+
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            out = super().compute_loss(model, inputs, *args, **kwargs)
+            if model.training:
+                loss = out[0] if isinstance(out, tuple) else out
+                self.step_losses.append(float(loss.detach()))
+            return out
+
+    Bench.step_losses = []
+    return Bench
+
+
+def _common_args(out_dir: str, lr: float, batch_size: int, epochs: int,
+                 weight_decay: float) -> dict[str, Any]:
+    """TrainingArguments both TRL trainers get (module docstring: what is matched)."""
+    import datasets
+    datasets.disable_progress_bars()
+    os.environ["TQDM_DISABLE"] = "1"                  # TRL's reference-precompute bar
+    return dict(output_dir=out_dir, learning_rate=lr, per_device_train_batch_size=batch_size,
+                num_train_epochs=epochs, lr_scheduler_type="constant", warmup_steps=0,
+                optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                weight_decay=weight_decay, max_grad_norm=0.0, gradient_accumulation_steps=1,
+                activation_checkpointing=False, gradient_checkpointing=False, bf16=False,
+                fp16=False, use_cpu=True, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
+                dataloader_num_workers=0, seed=0)
+
+
+def _quiet(trainer: Any) -> None:
+    """No per-step log dict on stdout (the Trainer prints one when tqdm is off)."""
+    from transformers.trainer_callback import PrinterCallback
+    trainer.remove_callback(PrinterCallback)
+
+
+def trl_dpo(model_dir: Path, pairs: Sequence[EncodedPair], p: DPOParams, max_length: int,
+            orders: list[list[int]]) -> Side:
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+    tok = lm.load_tokenizer(model_dir)
+    model = lm.load_causal_lm(model_dir)
+    data = Dataset.from_list([{"prompt_ids": list(e.prompt_ids), "chosen_ids": list(e.chosen_ids),
+                               "rejected_ids": list(e.rejected_ids)} for e in pairs])
+    cls = _instrumented(DPOTrainer, orders)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = DPOConfig(**_common_args(tmp, p.lr, p.batch_size, p.epochs, 0.0),
+                         beta=p.beta, loss_type=["sigmoid"], label_smoothing=0.0,
+                         max_length=max_length, precompute_ref_log_probs=True,
+                         precompute_ref_batch_size=p.batch_size)
+        trainer = cls(model=model, ref_model=None, args=args, train_dataset=data,
+                      processing_class=tok)
+        assert not model.is_activation_checkpointing, "TRL turned checkpointing on"
+        _quiet(trainer)
+        t0 = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - t0 + cls.precompute_s
+    return Side(seconds, list(cls.step_losses))
+
+
+def trl_rm(model_dir: Path, pairs: Sequence[EncodedPair], p: TrainRMParams,
+           orders: list[list[int]]) -> Side:
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+    tok = lm.load_tokenizer(model_dir)
+    model = rm_model(model_dir, p)
+    data = Dataset.from_list([{"chosen_ids": list(e.prompt_ids + e.chosen_ids),
+                               "rejected_ids": list(e.prompt_ids + e.rejected_ids)}
+                              for e in pairs])
+    cls = _instrumented(RewardTrainer, orders)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = RewardConfig(**_common_args(tmp, p.lr, p.batch_size, p.epochs, p.weight_decay),
+                            max_length=p.max_length, center_rewards_coefficient=None)
+        trainer = cls(model=model, args=args, train_dataset=data, processing_class=tok)
+        _quiet(trainer)
+        t0 = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - t0
+    return Side(seconds, list(cls.step_losses))
+
+
+# 4. alternate the sides, summarise ----------------------------------------------------------
+
+def _rates(runs: Sequence[Side], pairs_per_run: int, tokens_per_run: int) -> dict[str, Any]:
+    secs = [r.seconds for r in runs]
+    best, median = min(secs), statistics.median(secs)
+    return {"seconds": [round(s, 2) for s in secs], "fastest_s": round(best, 2),
+            "median_s": round(median, 2), "pairs_per_s": round(pairs_per_run / best, 3),
+            "pairs_per_s_median": round(pairs_per_run / median, 3),
+            "tokens_per_s": round(tokens_per_run / best, 1), "losses": runs[0].losses}
+
+
+def compare(run_ours: Callable[[], Side], run_trl: Callable[[], Side], repeats: int,
+            pairs_per_run: int, tokens_per_run: int,
+            log: Callable[[str], None] = print, name: str = "") -> dict[str, Any]:
+    """ours, trl, ours, trl, ... `repeats` times each; rates of the fastest and median run and
+    the largest per-step loss difference over all pairs of runs."""
+    ours, trl = [], []
+    for i in range(repeats):
+        ours.append(run_ours())
+        trl.append(run_trl())
+        log(f"vs_trl {name} pass {i + 1}/{repeats}: ours {ours[-1].seconds:.1f} s, "
+            f"trl {trl[-1].seconds:.1f} s")
+    diffs = [abs(a - b) for o, t in zip(ours, trl) for a, b in zip(o.losses, t.losses)]
+    same_steps = all(len(o.losses) == len(t.losses) for o, t in zip(ours, trl))
+    a, b = _rates(ours, pairs_per_run, tokens_per_run), _rates(trl, pairs_per_run, tokens_per_run)
+    return {"ours": a, "trl": b, "repeats": repeats, "steps": len(ours[0].losses),
+            "same_steps": same_steps,
+            "ratio": round(a["pairs_per_s"] / b["pairs_per_s"], 3),
+            "ratio_median": round(a["pairs_per_s_median"] / b["pairs_per_s_median"], 3),
+            "loss_max_abs_diff": max(diffs) if diffs and same_steps else None}
+
+
+def settings(params: Params, kind: str, epochs: int | None) -> tuple[Any, dict[str, Any]]:
+    """The params one update runs with here, and what was changed from the profile."""
+    if kind == "dpo":
+        base = params.update.dpo
+        p = replace(base, precision="fp32", sft_weight=0.0, epochs=epochs or base.epochs)
+        return p, {"loss": p.loss, "beta": p.beta, "lr": p.lr, "batch_size": p.batch_size,
+                   "epochs": p.epochs, "max_length": params.update.max_length,
+                   "changed": {"precision": f"{base.precision} -> fp32",
+                               "sft_weight": f"{base.sft_weight} -> 0 (TRL: no rpo_alpha)"}}
+    base = params.train_rm
+    p = replace(base, precision="fp32", pooling="last", head_init="random",
+                epochs=epochs or max(base.epochs, 1))
+    return p, {"lr": p.lr, "batch_size": p.batch_size, "epochs": p.epochs,
+               "weight_decay": p.weight_decay, "margin": p.margin, "num_layers": p.num_layers,
+               "max_length": p.max_length,
+               "changed": {"precision": f"{base.precision} -> fp32",
+                           "pooling": f"{base.pooling} -> last (TRL's read-out)",
+                           "head_init": f"{base.head_init} -> random, seed 0 on both sides",
+                           "epochs": f"{base.epochs} -> {p.epochs}"}}
+
+
+def ppo_section(model_dir: Path, params: Params, pairs: Sequence[EncodedPair],
+                epochs: int | None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Our PPO update alone (no TRL counterpart: module docstring) on one rollout per pair (its
+    chosen response, pi_old = the policy's own log-probs), through train_bench.bench_ppo."""
+    from benchmarks.train_bench import bench_ppo
+    from tasks.records import Rollout
+    model = lm.load_causal_lm(model_dir)
+    pad = lm.load_tokenizer(model_dir).pad_token_id
+    with torch.no_grad():
+        logp, mask = lm.response_logprobs(model, [e.prompt_ids for e in pairs],
+                                          [e.chosen_ids for e in pairs], pad)       # (B, R)
+    rollouts = []
+    for i, e in enumerate(pairs):
+        one = Rollout(f"bench-{i}", (), e.prompt_ids, e.chosen_ids,
+                      tuple(logp[i, : len(e.chosen_ids)].tolist()), False, "", "bench", 1,
+                      {"temperature": 1.0})
+        rollouts += [one, one]                      # bench_ppo takes every second sample
+    base = params.update.ppo
+    p = replace(base, epochs=epochs or base.epochs)
+    r = bench_ppo(model_dir, rollouts, len(pairs), p.epochs, p, False)
+    tokens = r["train_tokens"] + r["nograd_tokens"]
+    out = {"trl": f"none: TRL {trl_version() or TRL_VERSION} ships no PPO trainer (moved to "
+                  "trl.experimental by huggingface/trl#4482, v1.10; the old import removed in "
+                  "#5051, the experimental trainer in #7020); its RLOO/GRPO trainers sample "
+                  "inside train() and have no value head or GAE: no side-by-side",
+           "ours": {"seconds": round(r["seconds"], 2), "rollouts": len(pairs),
+                    "epochs": r["extra"]["epochs"], "steps": r["extra"]["steps"],
+                    "rollouts_per_s": round(len(pairs) * r["extra"]["epochs"] / r["seconds"], 3),
+                    "tokens_per_s": round(tokens / r["seconds"], 1),   # trained + no-grad
+                    "gflops": round((r["train_flops"] + r["nograd_flops"]) / r["seconds"] / 1e9, 1),
+                    "flop_convention": "benchmarks/train_bench.py",
+                    "minibatch_size": p.minibatch_size, "lr": p.lr, "precision": "fp32"}}
+    log(f"vs_trl ppo: ours alone, {out['ours']['rollouts_per_s']} rollouts/s, "
+        f"{out['ours']['gflops']} GFLOP/s ({out['trl']})")
+    return out
+
+
+def measure_vs_trl(model_dir: Path, kinds: Sequence[str] = ("dpo", "rm", "ppo"),
+                   n_pairs: int = 48, repeats: int = 3, epochs: int | None = None,
+                   batch_size: int | None = None, seed: int = 0,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+    """{"trl": version, kind: comparison, ...}; {"skipped": why} without TRL installed."""
+    version = trl_version()
+    if version is None:
+        msg = f"trl is not installed (pip install -e '.[bench]': trl=={TRL_VERSION})"
+        log(f"vs_trl: skipped: {msg}")
+        return {"skipped": msg}
+    params = load_params(ROOT / "params" / "default.yaml")
+    tok = lm.load_tokenizer(model_dir)
+    pairs = build_pairs(tok, params, n_pairs, seed)
+    out: dict[str, Any] = {"trl": version, "pairs": n_pairs, "model": str(model_dir),
+                           "threads": torch.get_num_threads(),
+                           "response_tokens": RESPONSE_TOKENS,
+                           "prompt_tokens_mean": round(sum(len(e.prompt_ids) for e in pairs)
+                                                       / len(pairs), 1)}
+    for kind in kinds:
+        if kind == "ppo":
+            out["ppo"] = ppo_section(model_dir, params, pairs, epochs, log)
+            continue
+        p, stated = settings(params, kind, epochs)
+        if batch_size:
+            p = replace(p, batch_size=batch_size)
+            stated["batch_size"] = batch_size
+        tokens = pair_tokens(pairs) * p.epochs
+        if kind == "dpo":
+            orders = dpo_orders(len(pairs), p.epochs, seed)
+            run_ours = lambda: ours_dpo(model_dir, pairs, p, tok.pad_token_id, seed)  # noqa: E731
+            run_trl = lambda: trl_dpo(model_dir, pairs, p, params.update.max_length,  # noqa: E731
+                                      orders)
+        else:
+            orders = rm_orders(pairs, p.epochs, seed)
+            run_ours = lambda: ours_rm(model_dir, pairs, p, tok.pad_token_id, seed)  # noqa: E731
+            run_trl = lambda: trl_rm(model_dir, pairs, p, orders)  # noqa: E731
+        r = compare(run_ours, run_trl, repeats, len(pairs) * p.epochs, tokens, log, kind)
+        out[kind] = {**r, "settings": stated}
+        log(f"vs_trl {kind}: ours {r['ours']['pairs_per_s']} vs trl {r['trl']['pairs_per_s']} "
+            f"pairs/s (x{r['ratio']}, median x{r['ratio_median']}), tokens/s "
+            f"{r['ours']['tokens_per_s']} vs {r['trl']['tokens_per_s']}; per-step loss max "
+            f"|diff| {r['loss_max_abs_diff']} over {r['steps']} steps")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a converted HF model directory (default: the default "
+                                    "model, converted into benchmarks/.cache)")
+    ap.add_argument("--kinds", default="dpo,rm,ppo")
+    ap.add_argument("--pairs", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs per side")
+    ap.add_argument("--epochs", type=int, help="default: the profile's (RM: at least 1)")
+    ap.add_argument("--batch-size", type=int, help="default: the profile's")
+    a = ap.parse_args(argv)
+    from benchmarks import isolation
+    from benchmarks.run import ensure_model, log
+    torch.set_num_threads(int(os.environ.get("ALIGNLOOP_THREADS", isolation.THREADS)))
+    out = measure_vs_trl(ensure_model(a.model), [k for k in a.kinds.split(",") if k], a.pairs,
+                         a.repeats, a.epochs, a.batch_size, log=log)
+    print(json.dumps(out, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
