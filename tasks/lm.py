@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -75,11 +76,13 @@ def weights_md5(path: str | Path) -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=None)
 def native_bf16(device: Device = "cpu") -> bool:
     """Whether `device` runs bf16 matmuls on native kernels: on a CPU, oneDNN with AVX512-BF16
     or AMX; on CUDA, what torch reports (Ampere and later). Without them a CPU falls back to
     torch's reference kernels: on an AVX2 EPYC (2 cores) a bf16 (512 x 576) @ (576 x 1536) ran
-    at 1.2 GFLOP/s against fp32's 92 (benchmarks/peaks.py)."""
+    at 1.2 GFLOP/s against fp32's 92 (benchmarks/peaks.py). Asked once per device: autocast
+    asks on every training step."""
     if torch.device(device).type == "cuda":
         return bool(torch.cuda.is_bf16_supported())
     supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
