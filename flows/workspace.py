@@ -244,8 +244,8 @@ def prepare(root: Path, params_file: Path | None) -> tuple[Workspace, list[str]]
 
 
 def _check_model_path(p: Params, base: Path) -> None:
-    from tasks.lm import check_model_dir
-    if p.model.source == "hf_dir":
+    if p.model.source == "hf_dir":                 # only then: tasks.lm imports torch (~3 s)
+        from tasks.lm import check_model_dir
         check_model_dir((base / Path(p.model.path).expanduser()).resolve())   # absolute wins
 
 
