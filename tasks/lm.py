@@ -6,6 +6,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,13 +79,18 @@ def weights_md5(path: str | Path) -> str:
 
 @functools.lru_cache(maxsize=None)
 def native_bf16(device: Device = "cpu") -> bool:
-    """Whether `device` runs bf16 matmuls on native kernels: on a CPU, oneDNN with AVX512-BF16
-    or AMX; on CUDA, what torch reports (Ampere and later). Without them a CPU falls back to
-    torch's reference kernels: on an AVX2 EPYC (2 cores) a bf16 (512 x 576) @ (576 x 1536) ran
-    at 1.2 GFLOP/s against fp32's 92 (benchmarks/peaks.py). Asked once per device: autocast
-    asks on every training step."""
+    """Whether `device` runs bf16 matmuls in hardware: an x86 CPU with AVX512-BF16 or AMX, an
+    ARM CPU with bf16 (oneDNN's check), CUDA as torch reports (Ampere and later). oneDNN's own
+    x86 check accepts any AVX512 core (Skylake, Cascade Lake), which has no bf16 instructions
+    (emulated: 3-4x slower than fp32 by ONNX Runtime's note; no such CPU here); without
+    AVX512 torch falls back to reference kernels: on an AVX2 EPYC (2 cores) a bf16
+    (512 x 576) @ (576 x 1536) ran at 1.2 GFLOP/s against fp32's 92 (benchmarks/peaks.py).
+    Asked once per device: autocast asks on every training step."""
     if torch.device(device).type == "cuda":
         return bool(torch.cuda.is_bf16_supported())
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        return any(bool(getattr(torch.cpu, name, lambda: False)())
+                   for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
     supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(supported()) if supported is not None else False
 

@@ -29,6 +29,12 @@ def test_default_model_one_small_iteration_end_to_end(tmp_path):
     report = json.loads(run_cli("report", "--workspace", str(ws), "--json").stdout)["1"]
     assert report["eval/n"] == 16 and 0.0 <= report["eval/win_rate"] <= 1.0
     assert report["update/steps"] > 0
+    # precision auto: bf16 exactly where the CPU has bf16 matmuls in hardware (AVX512-BF16 or
+    # AMX, read from the kernel's CPU flags, not asked of torch), fp32 elsewhere (an AVX2 CPU,
+    # or an AVX512 one without the extension, where bf16 is emulated); the report says which
+    flags = set(open("/proc/cpuinfo").read().split())
+    native = bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert report["rm/bf16"] == report["update/bf16"] == float(native)
     meta = json.loads((ws / "models" / "iter_0" / "policy" / "alignloop_model.json").read_text())
     assert meta["n_params"] > 130_000_000
     second = run_cli("run", "--params", str(path), "--workspace", str(ws), timeout=900)
