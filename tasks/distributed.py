@@ -69,9 +69,10 @@ class Group:
         """Whether this rank computes chunk number `chunk` of a no-grad pass (round robin)."""
         return chunk % self.world == self.rank
 
-    def share(self, x: Tensor | None, n: int, chunk: int, device: Device = "cpu") -> Tensor:
-        """Chunk `chunk`'s (n,) result, computed by its owner, on every rank (as float32, on
-        `device`: the owner's x is there, NCCL broadcasts only between CUDA tensors)."""
+    def share(self, x: Tensor | None, n: int | tuple[int, ...], chunk: int,
+              device: Device = "cpu") -> Tensor:
+        """Chunk `chunk`'s result of shape n, computed by its owner, on every rank (as float32,
+        on `device`: the owner's x is there, NCCL broadcasts only between CUDA tensors)."""
         if self.world == 1:
             assert x is not None
             return x
@@ -87,7 +88,7 @@ class Group:
         dist.all_reduce(t)
         return t.item()
 
-    def means(self, values: Sequence[Tensor], n: int) -> list[float]:
+    def means(self, values: Sequence[Tensor], n: int | float) -> list[float]:
         """Batch means of per-example values (each (B_shard,)) over the global batch of n."""
         if self.world == 1:
             return [float(v.detach().mean()) for v in values]

@@ -184,7 +184,7 @@ class UpdateParams:
     algo: Literal["dpo", "ppo"] = "dpo"
     reference: Literal["initial", "previous"] = "initial"
     max_length: int = 96
-    processes: int = 1              # > 1: the DPO update on N ranks under torchrun (DDP)
+    processes: int = 1              # > 1: the update (DPO, PPO) on N ranks under torchrun (DDP)
     dpo: DPOParams = field(default_factory=DPOParams)
     ppo: PPOParams = field(default_factory=PPOParams)
 
@@ -553,8 +553,6 @@ def _check_dpo_and_rm(p: Params, b: _Builder) -> None:
                     (("update", "processes"), p.update.processes)):
         if n < 1:
             b.fail(path, f"must be >= 1, got {n}")
-    if p.update.processes > 1 and p.update.algo != "dpo":
-        b.fail(("update", "processes"), f"several processes run DPO only, not {p.update.algo}")
 
 
 def _check_ppo(p: Params, b: _Builder) -> None:

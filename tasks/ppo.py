@@ -9,6 +9,7 @@ update, and the sample carries the truncated weight clip(pi_old / mu, lo, hi) on
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 from tasks import lm, offpolicy, progress
+from tasks.distributed import SINGLE, Group, record_losses
 from tasks.errors import InputError
 from tasks.losses import kl_k1, kl_k3, ppo_clip_loss, ppo_value_loss, whiten
 from tasks.params import PPOParams
@@ -89,31 +91,41 @@ class Experience:
 
 @torch.no_grad()
 def _forward_all(model: torch.nn.Module, head: ValueHead | None, rollouts: Sequence[Rollout],
-                 pad_id: int, temperature: float, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
-    """No-grad log-probs, values (zeros without a head) and mask for all rollouts, (B, T)."""
+                 pad_id: int, temperature: float, chunk: int, group: Group = SINGLE
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """No-grad log-probs, values (zeros without a head) and mask for all rollouts, (B, T). On
+    several ranks each computes every world-th chunk (the chunks of one process) and shares it."""
     width = max(len(r.response_ids) for r in rollouts)
+    device = next(model.parameters()).device
     parts = []
-    for s in range(0, len(rollouts), chunk):
+    for j, s in enumerate(range(0, len(rollouts), chunk)):
         rs = rollouts[s: s + chunk]
-        args = ([r.prompt_ids for r in rs], [r.response_ids for r in rs], pad_id, temperature)
-        if head is None:
-            lp, m = lm.response_logprobs(model, *args)
-            v = torch.zeros_like(lp)
-        else:
-            lp, v, m = logprobs_and_values(model, head, *args)
-        parts.append([torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in (lp, v, m)])
+        out: list[Tensor | None] = [None, None, None]
+        if group.owns(j):
+            args = ([r.prompt_ids for r in rs], [r.response_ids for r in rs], pad_id, temperature)
+            if head is None:
+                lp, m = lm.response_logprobs(model, *args)
+                v = torch.zeros_like(lp)
+            else:
+                lp, v, m = logprobs_and_values(model, head, *args)
+            out = [torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in (lp, v, m)]
+        parts.append([group.share(x, (len(rs), width), j, device) for x in out])
     return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
 
 def make_experience(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
                     rollouts: Sequence[Rollout], scores: Tensor, n_reused: int,
-                    p: PPOParams, pad_id: int, it: int) -> tuple[Experience, dict[str, float]]:
+                    p: PPOParams, pad_id: int, it: int, group: Group = SINGLE
+                    ) -> tuple[Experience, dict[str, float]]:
     """Fix pi_old, values, rewards, advantages and returns for a batch whose last n_reused
-    rollouts are reused off-policy samples; returns the batch and its metrics."""
+    rollouts are reused off-policy samples; returns the batch and its metrics (the same on
+    every rank: what one rank computed is shared)."""
     temperature = float(rollouts[0].sampling.get("temperature", 1.0))
     chunk = max(p.minibatch_size, 1)
-    start_logprobs, values, mask = _forward_all(policy, head, rollouts, pad_id, temperature, chunk)
-    ref_logprobs, _, _ = _forward_all(ref.eval(), None, rollouts, pad_id, temperature, chunk)
+    start_logprobs, values, mask = _forward_all(policy, head, rollouts, pad_id, temperature, chunk,
+                                                group)
+    ref_logprobs, _, _ = _forward_all(ref.eval(), None, rollouts, pad_id, temperature, chunk,
+                                      group)
     stored = _pad([r.logprobs for r in rollouts], mask.device)             # (B, T) behaviour mu
     n_fresh = len(rollouts) - n_reused
     old_logprobs = torch.cat([stored[:n_fresh], start_logprobs[n_fresh:]])  # pi_old
@@ -141,19 +153,31 @@ def make_experience(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Modu
     return exp, metrics
 
 
+STAT_KEYS = ("loss", "pg_loss", "value_loss", "clipfrac", "value_clipfrac", "approx_kl",
+             "kl_k1", "kl_k3")
+
+
 def minibatch_loss(policy: torch.nn.Module, head: ValueHead, exp: Experience, idx: Tensor,
-                   p: PPOParams, pad_id: int, temperature: float
-                   ) -> tuple[Tensor, dict[str, float]]:
+                   p: PPOParams, pad_id: int, temperature: float, group: Group = SINGLE
+                   ) -> tuple[Tensor | None, dict[str, float]]:
     """PPO loss of one minibatch: clipped surrogate + clipped value loss (+ KL if in the loss).
 
     Also returns the minibatch's approx KL(pi_old || pi) (k3, before the step) and stats.
     idx: (b,) on the CPU (drawn by the CPU generator), moved to the batch's device to index it.
+    On several ranks each takes its shard of idx: its loss is its tokens' sum over the whole
+    minibatch's token count, so the losses (and gradients) summed over ranks are the
+    one-process token means; the stats are those means on every rank. A rank with an empty
+    shard returns no loss.
     """
-    rows = idx.tolist()
+    shard = group.shard(idx)
+    if len(shard) == 0:
+        return None, _global_stats(group, dict.fromkeys(STAT_KEYS, torch.zeros(())),
+                                   0.0, exp, idx)
+    rows = shard.tolist()
     logprobs, values, m = logprobs_and_values(policy, head, [exp.prompts[i] for i in rows],
                                               [exp.responses[i] for i in rows], pad_id,
                                               temperature)
-    w, at = m.shape[1], idx.to(exp.mask.device)
+    w, at = m.shape[1], shard.to(exp.mask.device)
     old, n = exp.old_logprobs[at, :w], m.sum().clamp(min=1)
     pg_loss, clipfrac = ppo_clip_loss(logprobs, old, exp.advantages[at, :w], m, p.clip)
     v_loss, vclipfrac = ppo_value_loss(values, exp.old_values[at, :w], exp.returns[at, :w],
@@ -164,21 +188,34 @@ def minibatch_loss(policy: torch.nn.Module, head: ValueHead, exp: Experience, id
     if p.kl_mode == "loss":
         loss = loss + p.kl_coef * kl_now[p.kl_estimator]                  # + beta * KL(pi||ref)
     with torch.no_grad():
-        approx_kl = float((kl_k3(old, logprobs) * m).sum() / n)          # KL(pi_old || pi)
-    return loss, {"loss": loss.item(), "pg_loss": pg_loss.item(), "value_loss": v_loss.item(),
-                  "clipfrac": float(clipfrac), "value_clipfrac": float(vclipfrac),
-                  "approx_kl": approx_kl, "kl_k1": float(kl_now["k1"].detach()),
-                  "kl_k3": float(kl_now["k3"].detach())}
+        approx_kl = (kl_k3(old, logprobs) * m).sum() / n                  # KL(pi_old || pi)
+    local = {"loss": loss, "pg_loss": pg_loss, "value_loss": v_loss, "clipfrac": clipfrac,
+             "value_clipfrac": vclipfrac, "approx_kl": approx_kl, "kl_k1": kl_now["k1"],
+             "kl_k3": kl_now["k3"]}
+    if group.world == 1:
+        return loss, {k: float(v.detach()) for k, v in local.items()}
+    stats = _global_stats(group, local, float(m.sum()), exp, idx)
+    return loss * (m.sum() / exp.mask[idx.to(exp.mask.device)].sum().clamp(min=1)), stats
+
+
+def _global_stats(group: Group, local: dict[str, Tensor], n_local: float, exp: Experience,
+                  idx: Tensor) -> dict[str, float]:
+    """Token means over the whole minibatch from each rank's means over its n_local tokens."""
+    n = float(exp.mask[idx.to(exp.mask.device)].sum().clamp(min=1))
+    return dict(zip(STAT_KEYS, group.means([local[k].detach() * n_local for k in STAT_KEYS], n)))
 
 
 def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
               rollouts: Sequence[Rollout], scores: Tensor, p: PPOParams, pad_id: int,
               rng: torch.Generator, it: int = 0, reused: Sequence[Rollout] = (),
-              reused_scores: Tensor | None = None) -> dict[str, float]:
+              reused_scores: Tensor | None = None, group: Group = SINGLE) -> dict[str, float]:
     """Optimise policy and value head in place on this iteration's rollouts (plus reused ones
-    from earlier iterations, scores (B,) normalised like `scores`); returns `update/` metrics."""
+    from earlier iterations, scores (B,) normalised like `scores`); returns `update/` metrics.
+    On several ranks (`group`) every rank draws the same minibatches, takes its shard of each
+    and the gradients are summed (tasks/distributed.py): the one-process steps."""
+    t0 = time.perf_counter()
     rs, sc, n_reused = _select(list(rollouts), scores, list(reused), reused_scores, p, it)
-    exp, metrics = make_experience(policy, head, ref, rs, sc, n_reused, p, pad_id, it)
+    exp, metrics = make_experience(policy, head, ref, rs, sc, n_reused, p, pad_id, it, group)
     temperature = float(rs[0].sampling.get("temperature", 1.0))
     opt = torch.optim.AdamW([{"params": list(policy.parameters()), "lr": p.lr},
                              {"params": list(head.parameters()), "lr": p.value_lr}],
@@ -190,12 +227,14 @@ def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
     for _ in range(p.epochs):
         epochs_run += 1
         for idx in prompt_minibatches(exp.prompts, p.minibatch_size, rng):
-            loss, st = minibatch_loss(policy, head, exp, idx, p, pad_id, temperature)
+            loss, st = minibatch_loss(policy, head, exp, idx, p, pad_id, temperature, group)
             if p.target_kl > 0 and st["approx_kl"] > p.target_kl:
                 stopped = True                                             # early stop
-                break
+                break                                      # every rank: the same global stat
             opt.zero_grad()
-            loss.backward()
+            if loss is not None:
+                loss.backward()
+            group.sum_grads([*policy.parameters(), *head.parameters()])
             opt.step()
             stats.append(st)
         pg.step(1)
@@ -203,6 +242,7 @@ def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
             break
     pg.close()
     policy.eval()
+    record_losses(group, [st["loss"] for st in stats], time.perf_counter() - t0)
     metrics.update(_summary(stats, epochs_run, stopped, len(rs), n_reused, sc))
     return metrics
 

@@ -25,6 +25,7 @@ from test_dpo_family import SETUP
 REPO = Path(__file__).resolve().parents[1]
 LOSS_TOL = 1e-5      # per-step loss, absolute: float32 sums in another order, then 4-16 steps
 WEIGHT_TOL = 1e-5    # every weight, absolute (lr 1e-3: a step moves a weight by ~1e-3)
+PPO_WEIGHT_TOL = 5e-5  # PPO: 24 AdamW steps (twice DPO's) at lr 1e-3, i.e. 5% of one step
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,21 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 DPO_EDITS = {"update.dpo.batch_size": 3, "update.dpo.offpolicy_mix": 0.5,
              "update.dpo.offpolicy_weight": 0.5, "update.dpo.sft_weight": 0.1}
 RM_EDITS = {"train_rm.batch_size": 3, "train_rm.head_init": "random"}
+# PPO on the 48 rollouts (12 prompts x 4) and iteration 1's RM: minibatches of one prompt group
+# (4 rollouts, split 2 + 2 over the ranks), 2 epochs: 24 steps, the KL term in the loss (k3)
+PPO_EDITS = {"update.algo": "ppo", "update.ppo.minibatch_size": 3, "update.ppo.epochs": 2,
+             "update.ppo.kl_mode": "loss", "update.ppo.kl_estimator": "k3"}
+
+
+@pytest.fixture(scope="module")
+def base_rm(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """base plus train_rm@1 (PPO's reward)."""
+    root = tmp_path_factory.mktemp("ddp_rm") / "ws"
+    shutil.copytree(base, root)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(stage.THREADS_ENV, "2")
+        run_stage(train_rm.main, root, 1)
+    return root
 
 
 def set_keys(path: Path, edits: dict[str, object]) -> None:
@@ -79,7 +95,8 @@ def run_with(base: Path, tmp: Path, main: object, edits: dict[str, object], sect
 
 
 def assert_same_run(one: tuple[Path, set[str], list[float]],
-                    two: tuple[Path, set[str], list[float]], model_dir: str) -> None:
+                    two: tuple[Path, set[str], list[float]], model_dir: str,
+                    weight_tol: float = WEIGHT_TOL) -> None:
     (root1, new1, losses1), (root2, new2, losses2) = one, two
     assert new1 == new2                                    # the same files, nothing from rank 1
     assert len(losses1) == len(losses2) >= 8
@@ -88,7 +105,7 @@ def assert_same_run(one: tuple[Path, set[str], list[float]],
     w2 = load_file(str(root2 / model_dir / "model.safetensors"))
     assert w1.keys() == w2.keys()
     diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
-    assert diff <= WEIGHT_TOL, diff
+    assert diff <= weight_tol, diff
     gap = max(abs(a - b) for a, b in zip(losses1, losses2))
     print(f"{model_dir}: {len(losses1)} steps, max |loss diff| {gap:.2e}, max |weight diff| "
           f"{diff:.2e}")
@@ -114,12 +131,28 @@ def test_rm_fine_tuning_on_two_processes_matches_one(base: Path, tmp_path: Path,
     assert_same_run(one, two, layout.reward_model(1))
 
 
-def test_processes_must_be_positive_and_dpo_only() -> None:
+def test_ppo_update_on_two_processes_matches_one(base_rm: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    one = run_with(base_rm, tmp_path, update.main, PPO_EDITS, "update", 1, monkeypatch)
+    two = run_with(base_rm, tmp_path, update.main, PPO_EDITS, "update", 2, monkeypatch)
+    assert "value_head.safetensors" in {Path(x).name for x in one[1]}
+    assert_same_run(one, two, layout.policy(1), PPO_WEIGHT_TOL)
+    head1, head2 = (load_file(str(r / layout.policy(1) / "value_head.safetensors"))
+                    for r in (one[0], two[0]))
+    head_diff = max(float((head1[k] - head2[k]).abs().max()) for k in head1)
+    print(f"value head: max |weight diff| {head_diff:.2e}")
+    assert head_diff <= PPO_WEIGHT_TOL
+    m1, m2 = (json.loads((r / layout.metrics(1, "update")).read_text()) for r in (one[0], two[0]))
+    assert m1.keys() == m2.keys() and m1["update/steps"] == m2["update/steps"] == 24
+    assert m2 == pytest.approx(m1, abs=1e-4)
+
+
+def test_processes_must_be_positive() -> None:
     head, update_etc = (REPO / "params" / "tiny.yaml").read_text().split("\nupdate:\n", 1)
     edit = lambda *pairs: head + "\nupdate:\n" + reduce(  # noqa: E731
         lambda t, p: t.replace(p[0], p[1], 1), pairs, update_etc)
     with pytest.raises(ParamsError, match=r"tiny.yaml:\d+: update.processes: must be >= 1"):
         parse_params(edit(("processes: 1 ", "processes: 0 ")), "tiny.yaml")
-    with pytest.raises(ParamsError, match="update.processes: several processes run DPO only"):
-        parse_params(edit(("processes: 1 ", "processes: 2 "), ("algo: dpo ", "algo: ppo ")),
-                     "tiny.yaml")
+    ppo = parse_params(edit(("processes: 1 ", "processes: 2 "), ("algo: dpo ", "algo: ppo ")),
+                       "tiny.yaml")
+    assert (ppo.update.processes, ppo.update.algo) == (2, "ppo")
