@@ -92,7 +92,7 @@ def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
     """PPO on this iteration's rollouts; with reuse.iterations_back = 1 also on the previous
     iteration's, which update@{it-1} kept in its policy directory (a declared out of update@{it-1}
     and dep of update@{it}); the critic starts from update@{it-1}'s value head (value_reuse).
-    On several ranks every rank scores the rollouts and rank 0's scores are used by all."""
+    On several ranks rank 0 scores the rollouts and shares the scores."""
     q, pad = p.update.ppo, tok.pad_token_id  # type: ignore[attr-defined]
     rollouts = _read_rollouts(root / layout.rollouts(it))
     prev_dir = root / layout.policy(it - 1)
@@ -102,12 +102,15 @@ def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
     rm, stats = load_reward_model(rm_dir, device), load_stats(rm_dir)
     head, loaded = value_head.load_or_init(prev_dir, policy.config.hidden_size,  # type: ignore[attr-defined]
                                            q.value_reuse, device)
-    scores, reused_scores = (_scores(rm, stats, rs, pad) for rs in (rollouts, reused))
-    scores = group.share(scores if group.main else None, len(rollouts), 0, device)
-    if reused:
-        reused_scores = group.share(reused_scores if group.main else None, len(reused), 0, device)
-    metrics = train_ppo(policy, head, ref, rollouts, scores, q, pad, rng, it, reused,
-                        reused_scores, group)
+
+    def scored(rs: list[Rollout]) -> torch.Tensor:     # rank 0 scores, the others receive
+        if not rs or group.world == 1:
+            return _scores(rm, stats, rs, pad)
+        return group.share(_scores(rm, stats, rs, pad) if group.main else None, len(rs), 0,
+                           device)
+
+    metrics = train_ppo(policy, head, ref, rollouts, scored(rollouts), q, pad, rng, it, reused,
+                        scored(reused), group)
     metrics["update/value_head_reused"] = float(loaded)
     writers: list[Writer] = [lambda d: value_head.save(head, d)]
     if q.reuse.iterations_back >= 1:          # keep this iteration's rollouts for update@{it+1}
