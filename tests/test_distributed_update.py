@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from collections.abc import Iterator
 from functools import reduce
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import run_stage, tiny_stage_workspace
+from conftest import run_cli, run_stage, tiny_stage_workspace
 
 from tasks import distributed, judge, layout, rollout, stage, train_rm, update
 from tasks.params import ParamsError, parse_params
@@ -145,6 +146,30 @@ def test_ppo_update_on_two_processes_matches_one(base_rm: Path, tmp_path: Path,
     m1, m2 = (json.loads((r / layout.metrics(1, "update")).read_text()) for r in (one[0], two[0]))
     assert m1.keys() == m2.keys() and m1["update/steps"] == m2["update/steps"] == 24
     assert m2 == pytest.approx(m1, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_ppo_on_two_processes_through_the_cli(tmp_path: Path) -> None:
+    """The tiny loop with PPO on 2 torchrun processes, run as a person runs it: both updates
+    say they ran on 2 processes, and each iteration ends with one commit and one registered
+    policy carrying its value head."""
+    profile = tmp_path / "tiny-ppo-2.yaml"
+    shutil.copy(REPO / "params" / "tiny.yaml", profile)
+    set_keys(profile, {"update.algo": "ppo", "update.processes": 2})
+    ws = tmp_path / "ws"
+    out = run_cli("run", "--params", str(profile), "--workspace", str(ws), timeout=1200).stdout
+    for it in (1, 2):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"update@{it}: ppo, "))
+        assert line.endswith(" steps on 2 processes"), line
+        assert (ws / layout.policy(it) / "value_head.safetensors").is_file()
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=ws, capture_output=True,
+                         text=True).stdout.splitlines()
+    log = [m for m in log if m.startswith("alignloop: iteration")]
+    assert log == ["alignloop: iteration 2", "alignloop: iteration 1", "alignloop: iteration 0"]
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=f"sqlite:///{ws / '.alignloop' / 'mlflow.db'}")
+    versions = client.search_model_versions("name = 'alignloop-policy'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]
 
 
 def test_processes_must_be_positive() -> None:
