@@ -170,9 +170,10 @@ def minibatch_loss(policy: torch.nn.Module, head: ValueHead, exp: Experience, id
     shard returns no loss.
     """
     shard = group.shard(idx)
+    n_all = exp.mask[idx.to(exp.mask.device)].sum().clamp(min=1)   # the minibatch's tokens
     if len(shard) == 0:
-        return None, _global_stats(group, dict.fromkeys(STAT_KEYS, torch.zeros(())),
-                                   0.0, exp, idx)
+        zero = torch.zeros((), device=exp.mask.device)
+        return None, _global_stats(group, dict.fromkeys(STAT_KEYS, zero), 0.0, n_all)
     rows = shard.tolist()
     logprobs, values, m = logprobs_and_values(policy, head, [exp.prompts[i] for i in rows],
                                               [exp.responses[i] for i in rows], pad_id,
@@ -194,15 +195,15 @@ def minibatch_loss(policy: torch.nn.Module, head: ValueHead, exp: Experience, id
              "kl_k3": kl_now["k3"]}
     if group.world == 1:
         return loss, {k: float(v.detach()) for k, v in local.items()}
-    stats = _global_stats(group, local, float(m.sum()), exp, idx)
-    return loss * (m.sum() / exp.mask[idx.to(exp.mask.device)].sum().clamp(min=1)), stats
+    return loss * (m.sum() / n_all), _global_stats(group, local, float(m.sum()), n_all)
 
 
-def _global_stats(group: Group, local: dict[str, Tensor], n_local: float, exp: Experience,
-                  idx: Tensor) -> dict[str, float]:
-    """Token means over the whole minibatch from each rank's means over its n_local tokens."""
-    n = float(exp.mask[idx.to(exp.mask.device)].sum().clamp(min=1))
-    return dict(zip(STAT_KEYS, group.means([local[k].detach() * n_local for k in STAT_KEYS], n)))
+def _global_stats(group: Group, local: dict[str, Tensor], n_local: float,
+                  n_all: Tensor) -> dict[str, float]:
+    """Token means over the whole minibatch (n_all tokens) from each rank's means over its
+    n_local tokens."""
+    return dict(zip(STAT_KEYS, group.means([local[k].detach() * n_local for k in STAT_KEYS],
+                                           float(n_all))))
 
 
 def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,

@@ -132,6 +132,7 @@ def test_rm_fine_tuning_on_two_processes_matches_one(base: Path, tmp_path: Path,
     assert_same_run(one, two, layout.reward_model(1))
 
 
+@pytest.mark.slow       # ~20 s: keeps `make test` from growing; CI runs it
 def test_ppo_update_on_two_processes_matches_one(base_rm: Path, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     one = run_with(base_rm, tmp_path, update.main, PPO_EDITS, "update", 1, monkeypatch)
