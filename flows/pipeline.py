@@ -171,6 +171,14 @@ def apply_gate(root: Path, iteration: int, version: str) -> str:
     return "passed" if decision["passed"] else "failed"
 
 
+def warm_up(root: Path) -> None:
+    """What the flow asks first, asked before it starts (while a Prefect server starts): the
+    MLflow store opened and the experiment made, the DAG parsed (dag.ordered_stages keeps its
+    answer while the declaration files are unchanged)."""
+    ensure_experiment(root)
+    dag.ordered_stages(root)
+
+
 def ensure_experiment(root: Path) -> None:
     """Create the experiment, marked for model training; with the workspace's own MLflow store
     its artifact store is under .alignloop/ (MLflow's default, ./mlruns, is relative to

@@ -102,11 +102,14 @@ def _prefect_api(ws: wsmod.Workspace, log: Path) -> object | None:
 
 def _flow(ws: wsmod.Workspace, force: list[str], server: object | None,
           logs: dict[str, Path]) -> list[dict]:
+    # done while the server starts (PREFECT_API_URL is set already): the imports, the MLflow
+    # store and the parse of the DAG take seconds of one core, the server's start the other's
+    from flows.pipeline import alignloop, warm_up   # imports MLflow, which sets up its
+    logging.captureWarnings(True)             # logger: quieted after it; library warnings go
+    quiet_prefect(logs["log"])               # to the log file too
+    warm_up(ws.root)
     if server is not None:
         server.wait()                         # type: ignore[attr-defined]
-    from flows.pipeline import alignloop      # imports MLflow, which sets up its logger:
-    logging.captureWarnings(True)             # quieted after it; library warnings go to the
-    quiet_prefect(logs["log"])               # log file too
     return alignloop(str(ws.root), force=force)
 
 

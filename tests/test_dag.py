@@ -81,3 +81,27 @@ def test_remove_unlocked_outputs_only_touches_unlocked_paths(tmp_path: Path) -> 
     removed = dag.remove_unlocked_outputs(tmp_path, "s", ["a", "b.txt", "missing"])
     assert removed == ["a"]
     assert not (tmp_path / "a").exists() and (tmp_path / "b.txt").exists()
+
+
+def test_stage_order_is_parsed_again_once_the_declaration_changes(repo: Path) -> None:
+    _declare(repo, fail=False)
+    assert [s.name for s in dag.ordered_stages(repo)] == ["make"]
+    assert [s.name for s in dag.ordered_stages(repo)] == ["make"]     # kept: nothing changed
+    stages = yaml.safe_load((repo / "dvc.yaml").read_text())
+    stages["stages"]["after"] = {"cmd": "cp out/model.bin copy.bin", "deps": ["out"],
+                                 "outs": ["copy.bin"]}
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(stages))
+    assert [s.name for s in dag.ordered_stages(repo)] == ["make", "after"]
+
+
+def test_a_session_runs_what_changed_and_skips_what_did_not(repo: Path) -> None:
+    _declare(repo, fail=False)
+    session = dag.DvcSession(repo)
+    try:
+        assert dag.reproduce(repo, "make", session=session).outcome == "ran"
+        assert dag.reproduce(repo, "make", session=session).outcome == "cached"
+        (repo / "src.txt").write_text("v2")
+        assert dag.reproduce(repo, "make", session=session).outcome == "ran"
+        assert (repo / "out" / "model.bin").read_text() == "v2"
+    finally:
+        session.close()
