@@ -39,7 +39,8 @@ test: $(STAMP)
 # The `slow` tests, minutes each: the real default model (SmolLM2-135M-Instruct), and whole
 # extra loops through the CLI (kill -9 at every record-step write, served schedule fires,
 # imports, a user's own model, two concurrent runs, a work-pool worker, tiny-distributed on Ray and
-# torchrun, a reward-model judge). CI runs both targets.
+# torchrun, a reward-model judge, an RM param edit that reruns most of the loop). CI runs both
+# targets.
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow -q
 

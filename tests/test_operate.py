@@ -26,10 +26,15 @@ def _run(ws: Path) -> subprocess.CompletedProcess:
     return run_cli("run", "--workspace", str(ws))      # keeps the workspace's params.yaml
 
 
+def _changed(ws: Path) -> dict[str, list[str]]:
+    """`alignloop status --json`: the stage instances that are not up to date, and why."""
+    status = json.loads(run_cli("status", "--workspace", str(ws), "--json", check=False).stdout)
+    return {s["stage"]: s["reasons"] for s in status if s["state"] != "up-to-date"}
+
+
 def test_evaluate_param_reruns_only_evaluation(ws):
     _set_param(ws, "evaluate", "bootstrap", 300)
-    status = json.loads(run_cli("status", "--workspace", str(ws), "--json", check=False).stdout)
-    changed = {s["stage"]: s["reasons"] for s in status if s["state"] != "up-to-date"}
+    changed = _changed(ws)
     assert set(changed) == {"evaluate@1", "evaluate@2"}
     assert changed["evaluate@1"] == ["param evaluate.bootstrap: 500 -> 300"]   # old -> new
     moves = (ws / "registry" / "aliases.jsonl").read_text()
@@ -40,6 +45,14 @@ def test_evaluate_param_reruns_only_evaluation(ws):
     assert (ws / "registry" / "aliases.jsonl").read_text() == moves
 
 
+def test_status_names_an_rm_param_change_on_rm_training_only(ws):
+    _set_param(ws, "train_rm", "lr", 0.002)
+    changed = _changed(ws)
+    assert changed == {"train_rm@1": ["param train_rm.lr: 0.001 -> 0.002"],
+                       "train_rm@2": ["param train_rm.lr: 0.001 -> 0.002"]}
+
+
+@pytest.mark.slow      # reruns 12 of the 16 stage instances: a whole extra loop, nearly
 def test_rm_param_reruns_rm_training_and_what_follows_only(ws):
     _set_param(ws, "train_rm", "lr", 0.002)
     ran = ran_stages(_run(ws).stdout)
