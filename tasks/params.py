@@ -129,6 +129,8 @@ class TrainRMParams:
     pooling: Literal["last", "mean"] = "last"     # the head reads the last token, or the mean
     head_init: Literal["random", "probe"] = "random"  # probe: fitted on frozen features first
     probe_l2: float = 0.1           # probe: L2 strength (on standardised features)
+    probe_l2_grid: tuple[float, ...] = ()   # probe: choose the L2 from these by 5-fold CV
+                                    # over the training prompts (empty: probe_l2 as is)
     processes: int = 1              # > 1: fine-tuning epochs on N ranks under torchrun (DDP)
 
 

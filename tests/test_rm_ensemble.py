@@ -353,3 +353,78 @@ def test_frozen_features_give_the_same_probe_and_metrics_as_rescoring(
                               atol=1e-5)
     unique = {(e.prompt_ids, side) for e in pool for side in (e.chosen_ids, e.rejected_ids)}
     assert len(cache.rows) == len(unique) == 48 == sum(computed)
+
+
+# --- the probe's L2 by cross-validation over training prompts -------------------------------
+
+
+def _isotropic(n_prompts: int, seed: int) -> tuple[Tensor, list[tuple[int, ...]]]:
+    """Chosen-minus-rejected features of 4 pairs per prompt: coordinate 0 carries the
+    preference under heavy label noise, 100 more carry none. Few pairs for the width: a weak
+    L2 fits the noise, a strong one keeps near the mean difference (the better direction)."""
+    g = torch.Generator().manual_seed(seed)
+    diff = torch.randn(4 * n_prompts, 101, generator=g)
+    diff[:, 0] += 1.0
+    return diff, [(i // 4, 7) for i in range(4 * n_prompts)]
+
+
+def _confounded(n: int, seed: int) -> tuple[Tensor, list[tuple[int, ...]]]:
+    """Coordinate 0 is the preference plus a large shared nuisance z, coordinate 1 is z alone:
+    only a weakly regularised fit learns to subtract them; a strong L2 stays near the mean
+    difference, which z swamps."""
+    g = torch.Generator().manual_seed(seed)
+    z = 3 * torch.randn(n, generator=g)
+    diff = 0.3 * torch.randn(n, 5, generator=g)
+    diff[:, 0] += 0.3 + z
+    diff[:, 1] += z
+    return diff, [(i // 4, 7) for i in range(n)]
+
+
+def test_cross_validation_over_prompts_picks_the_l2_that_predicts_fresh_pairs() -> None:
+    """choose_probe_l2 reads only the training pairs and lands on the side of the grid that
+    predicts fresh pairs better, in both directions: strong where a weak L2 overfits, weak
+    where a strong one cannot separate the signal. The folds group pairs by prompt."""
+    from tasks.reward_model import _probe_fit, choose_probe_l2, probe_fold
+    grid = (0.001, 0.01, 0.1, 1.0, 10.0)
+    for make, n, side in ((_isotropic, 30, "strong"), (_confounded, 800, "weak")):
+        diff, prompts = make(n, 0)
+        fresh, _ = make(4000 if make is _confounded else 1000, 1)
+        acc = {l2: float((fresh @ _probe_fit(diff, l2) > 0).float().mean()) for l2 in grid}
+        chosen, cv = choose_probe_l2(diff, prompts, grid)
+        assert set(cv) == set(grid)
+        assert (chosen >= 0.1) if side == "strong" else (chosen <= 0.01)
+        wrong = min(grid) if side == "strong" else max(grid)
+        assert acc[chosen] > acc[wrong] + 0.02, (make.__name__, chosen, acc)
+    folds: dict[tuple[int, ...], set[int]] = {}
+    for x in _isotropic(30, 0)[1]:
+        folds.setdefault(x, set()).add(probe_fold(x, 5))
+    assert all(len(f) == 1 for f in folds.values()) and len(set().union(*folds.values())) == 5
+
+
+def test_probe_head_reports_the_chosen_l2_and_falls_back_below_five_prompts(tmp_path: Path
+                                                                              ) -> None:
+    """fit_probe_head with `probe_l2_grid`: the head is the probe at the CV choice (the same
+    weights as fitting that L2 directly) and the metrics name it; with fewer training prompts
+    than folds, `probe_l2` is used as written."""
+    from tasks.params import TinyModelParams, TrainRMParams
+    from tasks.reward_model import EncodedPair, fit_probe_head, init_reward_model
+    from tasks.tiny_model import save_tiny
+    save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
+    g = torch.Generator().manual_seed(4)
+    pool = []
+    for _ in range(12):
+        x = tuple(torch.randint(20, 60, (5,), generator=g).tolist())
+        ys = [tuple(torch.randint(20, 60, (4,), generator=g).tolist()) for _ in range(4)]
+        pool += [EncodedPair(x, ys[i], ys[j]) for i in range(4) for j in range(i + 1, 4)]
+    grid = TrainRMParams(pooling="mean", head_init="probe", epochs=0, probe_l2=0.1,
+                         probe_l2_grid=(0.03, 0.3, 3.0))
+    model = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
+    m = fit_probe_head(model, pool, grid, pad_id=0)
+    assert m["probe_l2"] in (0.03, 0.3, 3.0) and 0.0 <= m["probe_cv_accuracy"] <= 1.0
+    direct = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
+    fixed = TrainRMParams(pooling="mean", head_init="probe", epochs=0, probe_l2=m["probe_l2"])
+    fit_probe_head(direct, pool, fixed, pad_id=0)
+    assert torch.equal(model.score.weight, direct.score.weight)
+    few = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
+    m_few = fit_probe_head(few, pool[:6 * 4], grid, pad_id=0)         # 4 prompts < 5 folds
+    assert m_few["probe_l2"] == 0.1 and "probe_cv_accuracy" not in m_few
