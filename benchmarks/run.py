@@ -8,10 +8,11 @@ Sections (each prints progress lines; the last line of stdout is one JSON object
   matmuls alone take many minutes);
 - `train`: model-FLOP utilisation of the DPO, reward-model and PPO updates against the peak
   measured right before each (benchmarks/train_bench.py: FLOP convention in its docstring);
-- `rollout`: new tokens/s of the rollout sampler over plain `model.generate`, same model,
-  prompts, K, batch and sampling settings as the default profile's rollout stage (--quick: 48
-  rows, batch <= 48), the fastest of 3 alternating passes per side (--quick: 1), and the stored
-  log-probs against a full forward pass (benchmarks/rollout_bench.py);
+- `rollout`: new tokens/s of the rollout sampler over plain `model.generate` and over
+  `generate` with a static KV cache, same model, prompts, K, batch and sampling settings as the
+  default profile's rollout stage (--quick: 48 rows, batch <= 48), the fastest of 3 alternating
+  passes per side (--quick: 1) and the worst pass's ratio, and the stored log-probs against a
+  full forward pass (benchmarks/rollout_bench.py);
 - `cached`: a fully cached rerun of the tiny profile through the CLI, split into interpreter,
   imports, the command itself and exit, against a standalone Prefect server whose start-up is
   timed apart (benchmarks/cached_rerun.py);
@@ -110,9 +111,12 @@ def rollout_section(model_dir: Path, quick: bool) -> dict[str, Any] | None:
                      batch_size=min(48, r.generation.batch_size))
     out = measure_rollout(model_dir, seed=0, repeats=1 if quick else ROLLOUT_REPEATS, **sizes)
     log(f"rollout: sampler {out['sampler_tok_s']:.0f} vs generate {out['generate_tok_s']:.0f} "
-        f"new tokens/s (fastest of {out['repeats']} alternating passes each): "
-        f"x{out['rollout_speedup']:.2f}, per pass "
-        f"{', '.join(f'x{x:.2f}' for x in out['speedup_per_pass'])}; log-prob error "
+        f"/ static cache {out['generate_static_tok_s']:.0f} new tokens/s (fastest of "
+        f"{out['repeats']} alternating passes each): x{out['rollout_speedup']:.2f} / "
+        f"x{out['rollout_speedup_vs_static']:.2f}; per pass "
+        f"{', '.join(f'x{x:.2f}' for x in out['speedup_per_pass'])} (worst "
+        f"x{out['rollout_speedup_worst_pass']:.2f}) / "
+        f"{', '.join(f'x{x:.2f}' for x in out['speedup_vs_static_per_pass'])}; log-prob error "
         f"{out['logprob_max_abs_err']:.2e}")
     return {**out, "settings": {**sizes, "temperature": 1.0, "top_p": 1.0}}
 
