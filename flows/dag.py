@@ -6,6 +6,7 @@ run-cache are asked every time.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import shutil
 import threading
@@ -177,15 +178,24 @@ def downstream(root: Path, name: str) -> list[str]:
 _SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)   # libyaml: ~8x faster
 
 
+# the last few dvc.lock texts parsed, and their stage entries (a run reads the lock a dozen
+# times between writes; parsing it is ~30x a copy of the result)
+_LOCKS: dict[str | bytes, dict[str, Any]] = {}
+
+
 def read_lock(root: Path, text: str | bytes | None = None) -> dict[str, Any]:
     """dvc.lock's stage entries: cmd, deps/outs with md5 and size, params values (of the
-    workspace's file, or of `text`, e.g. dvc.lock at a commit)."""
+    workspace's file, or of `text`, e.g. dvc.lock at a commit). The caller's own copy."""
     if text is None:
         path = root / "dvc.lock"
         if not path.is_file():
             return {}
         text = path.read_text()
-    return (yaml.load(text, Loader=_SafeLoader) or {}).get("stages", {})
+    if text not in _LOCKS:
+        if len(_LOCKS) >= 4:
+            _LOCKS.pop(next(iter(_LOCKS)))
+        _LOCKS[text] = (yaml.load(text, Loader=_SafeLoader) or {}).get("stages", {})
+    return copy.deepcopy(_LOCKS[text])
 
 
 def fingerprint(lock: dict[str, Any], names: list[str] | tuple[str, ...]) -> str:

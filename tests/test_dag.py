@@ -72,6 +72,20 @@ def test_failed_rerun_keeps_the_locked_output(repo: Path) -> None:
     assert (repo / "out" / "model.bin").read_text() == "v1"   # the last good one, back
 
 
+def test_read_lock_follows_the_file_and_hands_out_copies(repo: Path) -> None:
+    """The parsed lock is kept per text (a run reads it a dozen times between writes): a
+    rewritten dvc.lock is read anew, and a caller editing its answer changes no later one."""
+    _declare(repo, fail=False)
+    dag.reproduce(repo, "make")
+    first = dag.read_lock(repo)
+    md5 = first["make"]["outs"][0]["md5"]
+    first["make"]["outs"][0]["md5"] = "edited by a caller"
+    assert dag.read_lock(repo)["make"]["outs"][0]["md5"] == md5
+    (repo / "src.txt").write_text("v2")
+    dag.reproduce(repo, "make")
+    assert dag.read_lock(repo)["make"]["outs"][0]["md5"] != md5
+
+
 def test_remove_unlocked_outputs_only_touches_unlocked_paths(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x").write_text("1")
