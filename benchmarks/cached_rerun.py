@@ -17,6 +17,9 @@ checkout, so edits made meanwhile cannot turn a rerun into a real run). Each rer
 until healthy, fresh PREFECT_HOME: migrations included) is measured once, apart. Then, with
 that server stopped, `temp_server_wall_s`: the whole rerun as a user's shell sees it on the
 default path, where each run starts a temporary Prefect server of its own.
+
+`--yaml-ab` (after a run has left the workspace): cached reruns with DVC's YAML parsed by
+ruamel's pure-Python loader and by its C loader, alternating (`yaml_loader_ab`).
 """
 from __future__ import annotations
 
@@ -181,8 +184,42 @@ def measure_cached_rerun(work: Path, params: Path = TINY, reruns: int = 5,
     return out
 
 
-if __name__ == "__main__":   # python -m benchmarks.cached_rerun [WORKDIR] [--profile]
+def yaml_loader_ab(work: Path, pairs: int = 4) -> dict[str, Any]:
+    """On the workspace measure_cached_rerun left in `work`: cached reruns with ruamel's pure
+    Python YAML loader (its C extension hidden by a module that refuses to import) and with
+    the C loader, alternating, `pairs` of each; rest_s of every rerun and the 1-minute load."""
+    ws = work / "ws"
+    if not (ws / "dvc.lock").is_file():
+        raise SystemExit(f"{ws}: no workspace; run `python -m benchmarks.cached_rerun {work}`")
+    shim = work / "no-c-yaml"
+    shim.mkdir(exist_ok=True)
+    (shim / "_ruamel_yaml.py").write_text('raise ImportError("hidden: pure-Python YAML")\n')
+    env = isolated_env(work / "stores")
+    server, _ = _start_server(ws, env)
+    env = {**env, "PREFECT_API_URL": server["api_url"]}
+    sides = {"pure_python_yaml": {**env, "PYTHONPATH": os.pathsep.join([str(shim),
+                                                                         env["PYTHONPATH"]])},
+             "c_yaml": env}
+    out: dict[str, Any] = {name: [] for name in sides}
+    out["load_1min"] = []
+    try:
+        for _ in range(pairs):
+            for name, side_env in sides.items():
+                r = timed_rerun(["run", "--workspace", str(ws)], side_env, work)
+                if not r["all_cached"]:
+                    raise RuntimeError("a rerun ran a stage: not a cached rerun")
+                out[name].append(round(r["rest_s"], 2))
+                out["load_1min"].append(round(os.getloadavg()[0], 1))
+    finally:
+        _stop_server(ws, env)
+    return out
+
+
+if __name__ == "__main__":   # python -m benchmarks.cached_rerun [WORKDIR] [--profile|--yaml-ab]
     d = Path(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("-") \
         else REPO / "benchmarks" / ".cache" / "tiny"
-    print(json.dumps(measure_cached_rerun(d, profile="--profile" in sys.argv), indent=1))
+    if "--yaml-ab" in sys.argv:
+        print(json.dumps(yaml_loader_ab(d), indent=1))
+    else:
+        print(json.dumps(measure_cached_rerun(d, profile="--profile" in sys.argv), indent=1))
     os._exit(0)
