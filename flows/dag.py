@@ -181,6 +181,7 @@ _SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)   # libyaml: ~8x fas
 # the last few dvc.lock texts parsed, and their stage entries (a run reads the lock a dozen
 # times between writes; parsing it is ~30x a copy of the result)
 _LOCKS: dict[str | bytes, dict[str, Any]] = {}
+_LOCKS_GUARD = threading.Lock()             # the flow's tasks may read it from threads
 
 
 def read_lock(root: Path, text: str | bytes | None = None) -> dict[str, Any]:
@@ -191,11 +192,12 @@ def read_lock(root: Path, text: str | bytes | None = None) -> dict[str, Any]:
         if not path.is_file():
             return {}
         text = path.read_text()
-    if text not in _LOCKS:
-        if len(_LOCKS) >= 4:
-            _LOCKS.pop(next(iter(_LOCKS)))
-        _LOCKS[text] = (yaml.load(text, Loader=_SafeLoader) or {}).get("stages", {})
-    return copy.deepcopy(_LOCKS[text])
+    with _LOCKS_GUARD:
+        if text not in _LOCKS:
+            if len(_LOCKS) >= 4:
+                _LOCKS.pop(next(iter(_LOCKS)))
+            _LOCKS[text] = (yaml.load(text, Loader=_SafeLoader) or {}).get("stages", {})
+        return copy.deepcopy(_LOCKS[text])
 
 
 def fingerprint(lock: dict[str, Any], names: list[str] | tuple[str, ...]) -> str:
