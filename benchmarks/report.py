@@ -33,7 +33,7 @@ def targets_met(result: dict[str, Any]) -> dict[str, bool | None]:
         mfu = (train.get(kind) or {}).get("mfu")
         out[f"train_mfu_{kind}"] = None if mfu is None else mfu >= TARGETS["train_mfu"]
     speedup, err = result.get("rollout_speedup"), result.get("logprob_max_abs_err")
-    worst = (result.get("rollout") or {}).get("rollout_speedup_worst_pass", speedup)
+    worst = (result.get("rollout") or {}).get("rollout_speedup_worst_pass")   # None: unknown
     out["rollout_speedup"] = None if speedup is None else speedup >= TARGETS["rollout_speedup"]
     out["rollout_speedup_every_pass"] = (None if worst is None
                                          else worst >= TARGETS["rollout_speedup"])
