@@ -240,13 +240,31 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                   ends, starts, [len(r) for r in responses])
 
 
+def attention_mask(model: torch.nn.Module, allowed: Tensor) -> Tensor:
+    """A packed (G, 1, T, T) boolean mask (True: may attend) in the form `model`'s attention
+    implementation reads it. transformers hands a 4D mask to the attention function unchanged:
+    sdpa takes booleans, eager adds the mask to its scores, so it gets 0 where a key is allowed
+    and the lowest fp32 value elsewhere (booleans added as 0 / 1 would mask nothing: every
+    token would see the future and the other responses of its row). fp32 for any weight dtype:
+    the scores are promoted to it before eager's fp32 softmax."""
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if impl == "sdpa":
+        return allowed
+    if impl == "eager":
+        additive = torch.zeros(allowed.shape, device=allowed.device)
+        return additive.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    raise ModelError(f"attention implementation {impl!r} cannot take the packed 4D attention "
+                     "mask; load the model with attn_implementation='sdpa' or 'eager'")
+
+
 def packed_logprobs(model: torch.nn.Module, pk: Packed,
                     temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """Per-token log-probs (N, R) and mask (N, R) of the packed responses, one forward pass.
     Only positions that predict a response token get logits: the lm_head and the softmax over
     the vocabulary are skipped for the prompt before its last token."""
     first = min(pk.prompt_ends)                   # the earliest position predicting a token
-    logits = model(input_ids=pk.ids, attention_mask=pk.attention, position_ids=pk.positions,
+    logits = model(input_ids=pk.ids, attention_mask=attention_mask(model, pk.attention),
+                   position_ids=pk.positions,
                    logits_to_keep=pk.ids.shape[1] - first).logits
     logits = logits.float() / temperature                                # (G, T - first, V)
     pred, at, mask = pk.predictors()                                     # (N, R) each

@@ -119,7 +119,7 @@ def features(model: transformers.PreTrainedModel, prompts: Sequence[Sequence[int
     packed row, the prompt computed once (`lm.pack`)."""
     pk = lm.pack(prompts, responses, pad_id, device_of(model))
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=pk.ids, attention_mask=pk.attention,
+    hidden = backbone(input_ids=pk.ids, attention_mask=lm.attention_mask(model, pk.attention),
                       position_ids=pk.positions).last_hidden_state           # (G, T, H)
     if pooling == "last":
         return hidden[pk.rows, pk.last_positions()]                         # (B, H)

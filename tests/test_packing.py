@@ -219,3 +219,44 @@ def test_packed_reward_scores_equal_unpacked_for_any_lengths(seed: int) -> None:
         for i, (x, y) in enumerate(zip(prompts, responses)):
             h = rm.model(input_ids=torch.tensor([x + y])).last_hidden_state[0, -1]
             assert torch.allclose(r[i], rm.score(h)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_packing_is_exact_under_the_models_attention_implementation(impl, tmp_path) -> None:
+    """A user's model that runs eager attention (an architecture without sdpa, or a config
+    asking for it): transformers hands our 4D mask to the attention function unchanged, and
+    eager adds it to the scores, so booleans masked nothing (packed log-probs off by 0.05 on
+    the tiny model: every token saw the future and the row's other responses). Loaded from a
+    saved directory as the stages load it, packed log-probs, values and RM scores equal a plain
+    unpacked forward."""
+    prompts, responses = _random_plan(3)
+    _policy().save_pretrained(tmp_path / "policy")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy",
+                                                              attn_implementation=impl).eval()
+    assert model.config._attn_implementation == impl
+    head = ValueHead(TinyModelParams().hidden_size)
+    with torch.no_grad():
+        logp, values, _ = logprobs_and_values(model, head, prompts, responses, pad_id=0)
+        for i, (x, y) in enumerate(zip(prompts, responses)):
+            ref, hidden = _unpacked(model, x, y)
+            assert torch.allclose(logp[i, : len(y)], ref, atol=1e-5)
+            assert torch.allclose(values[i, : len(y)], head(hidden[None])[0], atol=1e-5)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64,
+                                      num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    rm = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "rm", attn_implementation=impl).eval()
+    with torch.no_grad():
+        r = member_rewards(rm, prompts, responses, pad_id=0)[0]
+        for i, (x, y) in enumerate(zip(prompts, responses)):
+            h = rm.model(input_ids=torch.tensor([x + y])).last_hidden_state[0, -1]
+            assert torch.allclose(r[i], rm.score(h)[0], atol=1e-5)
+
+
+def test_an_attention_implementation_without_4d_masks_is_one_clear_error() -> None:
+    model = _policy()
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(lm.ModelError, match="flash_attention_2.*sdpa"):
+        lm.response_logprobs(model, [[5, 6]], [[7]], pad_id=0)
