@@ -12,7 +12,9 @@ TARGETS = {
                                      # on every alternating pass (the worst pass's ratio)
     "logprob_max_abs_err": 1e-3,     # sampler's stored log-probs vs a full forward pass
     "cached_rerun_s": 1.0,           # fully cached rerun, beyond interpreter + server start-up
-    "vs_trl": 2.0,                   # our DPO and RM updates' pairs/s over TRL's trainers
+    "vs_trl": 2.0,                   # our DPO and RM updates' pairs/s over TRL's trainers, in
+                                     # fp32 and in bf16 (autocast on both sides; our bf16 losses
+                                     # within the stated tolerance of fp32: vs_trl.bf16_deviation)
     "scaling": "t(s)/t(1) <= s",     # linear or better, for every scale s measured
 }
 
@@ -44,6 +46,11 @@ def targets_met(result: dict[str, Any]) -> dict[str, bool | None]:
     for kind in ("dpo", "rm"):
         ratio = (vs_trl.get(kind) or {}).get("ratio")
         out[f"vs_trl_{kind}"] = None if ratio is None else ratio >= TARGETS["vs_trl"]
+        bf16 = vs_trl.get(f"{kind}_bf16") or {}          # both sides in bf16 autocast
+        ratio = bf16.get("ratio")
+        out[f"vs_trl_{kind}_bf16"] = None if ratio is None else ratio >= TARGETS["vs_trl"]
+        out[f"vs_trl_{kind}_bf16_loss"] = (bf16.get("bf16_deviation") or {}).get(
+            "within_tolerance")
     rows = result.get("scaling") or []
     ratios = scaling_ratios(rows)
     out["scaling_linear"] = None if not ratios else all(

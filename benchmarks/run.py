@@ -20,7 +20,8 @@ Sections (each prints progress lines; the last line of stdout is one JSON object
   (benchmarks/scaling.py);
 - `vs_trl`: our DPO and RM updates against TRL's DPOTrainer and RewardTrainer on the same
   model, pairs, batch order and hyperparameters, alternating sides: pairs/s, tokens/s, the
-  ratio, the largest per-step loss difference; our PPO update alone (TRL 1.16 has no PPO
+  ratio, the largest per-step loss difference, in fp32 and in bf16 autocast (both sides), with
+  each side's bf16 deviation from its fp32 losses; our PPO update alone (TRL 1.16 has no PPO
   trainer) (benchmarks/vs_trl.py; 48 pairs, 3 passes per side; --quick: 16 pairs, 1 pass).
   Needs the `bench` extra (trl); without it the section says it was skipped.
 
@@ -187,7 +188,7 @@ def run(a: argparse.Namespace, only: list[str], work: Path) -> int:
         kinds = [k for k in a.kinds.split(",") if k]
         vs_trl = section("vs_trl", lambda: measure_vs_trl(
             model_dir, kinds, n_pairs=16 if a.quick else 48, repeats=1 if a.quick else 3,
-            log=log), errors)
+            log=log, precisions=("fp32", "bf16")), errors)
     meta = {"command": " ".join(["python benchmarks/run.py", *a.argv]),
             "quick": a.quick, "sections": only, "seconds": round(time.perf_counter() - t0),
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),

@@ -5,7 +5,8 @@
 TRL is a benchmark-only dependency (`pip install -e '.[bench]'`: trl==1.16.0); without it the
 section reports itself skipped. Both sides get the same model (the converted default model, or
 --model), the same pairs as token ids, the same batches in the same order and the same
-hyperparameters (params/default.yaml's update.dpo / train_rm), fp32 on both sides:
+hyperparameters (params/default.yaml's update.dpo / train_rm), the same precision on both
+sides, fp32 and bf16 autocast each measured side by side (`--precisions`):
 - pairs: `build_pairs`, deterministic: the default train prompts chat-rendered as the stages
   render them, chosen = hand-written review sentences, rejected = hand-written correspondence
   sentences (params/gold/register_examples.jsonl), each response cut to RESPONSE_TOKENS ids.
@@ -28,8 +29,10 @@ hyperparameters (params/default.yaml's update.dpo / train_rm), fp32 on both side
   agree with themselves).
 
 Settings that differ from the default profile, and why (they are the same on both sides):
-- fp32 (profile: bf16 autocast): TRL's bf16 is whole-model bf16 weights, not autocast; fp32 is
-  the one precision both run the same way.
+- precision (profile: auto = bf16 autocast on this CPU): fp32, and bf16 where TRL runs the
+  Trainer's mixed precision (`bf16=True`), which on the CPU is torch.autocast with the weights
+  in fp32, as ours (`_check_precision` asserts both). bf16's per-step losses are compared with
+  the same side's fp32 losses (`bf16_deviation`: the stated tolerance).
 - DPO without the SFT anchor (profile: sft_weight 1, RPO): TRL 1.16 has no rpo_alpha; its
   `sft` loss term averages the NLL over all chosen tokens of a batch, ours per pair then over
   pairs, so the two differ whenever lengths differ. The term is one extra sum over log-probs
@@ -230,7 +233,7 @@ def _instrumented(base: type, orders: list[list[int]]) -> type:
 
 
 def _common_args(out_dir: str, lr: float, batch_size: int, epochs: int,
-                 weight_decay: float) -> dict[str, Any]:
+                 weight_decay: float, precision: str) -> dict[str, Any]:
     """TrainingArguments both TRL trainers get (module docstring: what is matched)."""
     import datasets
     datasets.disable_progress_bars()
@@ -239,9 +242,18 @@ def _common_args(out_dir: str, lr: float, batch_size: int, epochs: int,
                 num_train_epochs=epochs, lr_scheduler_type="constant", warmup_steps=0,
                 optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
                 weight_decay=weight_decay, max_grad_norm=0.0, gradient_accumulation_steps=1,
-                activation_checkpointing=False, gradient_checkpointing=False, bf16=False,
+                activation_checkpointing=False, gradient_checkpointing=False,
+                bf16=precision == "bf16",
                 fp16=False, use_cpu=True, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
                 dataloader_num_workers=0, seed=0)
+
+
+def _check_precision(trainer: Any, precision: str) -> None:
+    """TRL's bf16 on the CPU is the Trainer's mixed precision, torch.autocast as ours, with the
+    weights left in fp32: checked, so that the two sides run the same arithmetic."""
+    want = "bf16" if precision == "bf16" else "no"
+    assert str(trainer.accelerator.mixed_precision) == want, trainer.accelerator.mixed_precision
+    assert all(w.dtype == torch.float32 for w in trainer.model.parameters()), "TRL cast weights"
 
 
 def _quiet(trainer: Any) -> None:
@@ -260,13 +272,14 @@ def trl_dpo(model_dir: Path, pairs: Sequence[EncodedPair], p: DPOParams, max_len
                                "rejected_ids": list(e.rejected_ids)} for e in pairs])
     cls = _instrumented(DPOTrainer, orders)
     with tempfile.TemporaryDirectory() as tmp:
-        args = DPOConfig(**_common_args(tmp, p.lr, p.batch_size, p.epochs, 0.0),
+        args = DPOConfig(**_common_args(tmp, p.lr, p.batch_size, p.epochs, 0.0, p.precision),
                          beta=p.beta, loss_type=["sigmoid"], label_smoothing=0.0,
                          max_length=max_length, precompute_ref_log_probs=True,
                          precompute_ref_batch_size=p.batch_size)
         trainer = cls(model=model, ref_model=None, args=args, train_dataset=data,
                       processing_class=tok)
         assert not model.is_activation_checkpointing, "TRL turned checkpointing on"
+        _check_precision(trainer, p.precision)
         _quiet(trainer)
         t0 = time.perf_counter()
         trainer.train()
@@ -285,9 +298,11 @@ def trl_rm(model_dir: Path, pairs: Sequence[EncodedPair], p: TrainRMParams,
                               for e in pairs])
     cls = _instrumented(RewardTrainer, orders)
     with tempfile.TemporaryDirectory() as tmp:
-        args = RewardConfig(**_common_args(tmp, p.lr, p.batch_size, p.epochs, p.weight_decay),
+        args = RewardConfig(**_common_args(tmp, p.lr, p.batch_size, p.epochs, p.weight_decay,
+                                           p.precision),
                             max_length=p.max_length, center_rewards_coefficient=None)
         trainer = cls(model=model, args=args, train_dataset=data, processing_class=tok)
+        _check_precision(trainer, p.precision)
         _quiet(trainer)
         t0 = time.perf_counter()
         trainer.train()
@@ -327,22 +342,24 @@ def compare(run_ours: Callable[[], Side], run_trl: Callable[[], Side], repeats: 
             "loss_max_abs_diff": max(diffs) if diffs and same_steps else None}
 
 
-def settings(params: Params, kind: str, epochs: int | None) -> tuple[Any, dict[str, Any]]:
+def settings(params: Params, kind: str, epochs: int | None,
+             precision: str = "fp32") -> tuple[Any, dict[str, Any]]:
     """The params one update runs with here, and what was changed from the profile."""
     if kind == "dpo":
         base = params.update.dpo
-        p = replace(base, precision="fp32", sft_weight=0.0, epochs=epochs or base.epochs)
+        p = replace(base, precision=precision, sft_weight=0.0, epochs=epochs or base.epochs)
         return p, {"loss": p.loss, "beta": p.beta, "lr": p.lr, "batch_size": p.batch_size,
                    "epochs": p.epochs, "max_length": params.update.max_length,
-                   "changed": {"precision": f"{base.precision} -> fp32",
+                   "precision": precision,
+                   "changed": {"precision": f"{base.precision} -> {precision}",
                                "sft_weight": f"{base.sft_weight} -> 0 (TRL: no rpo_alpha)"}}
     base = params.train_rm
-    p = replace(base, precision="fp32", pooling="last", head_init="random",
+    p = replace(base, precision=precision, pooling="last", head_init="random",
                 epochs=epochs or max(base.epochs, 1))
     return p, {"lr": p.lr, "batch_size": p.batch_size, "epochs": p.epochs,
                "weight_decay": p.weight_decay, "margin": p.margin, "num_layers": p.num_layers,
-               "max_length": p.max_length,
-               "changed": {"precision": f"{base.precision} -> fp32",
+               "max_length": p.max_length, "precision": precision,
+               "changed": {"precision": f"{base.precision} -> {precision}",
                            "pooling": f"{base.pooling} -> last (TRL's read-out)",
                            "head_init": f"{base.head_init} -> random, seed 0 on both sides",
                            "epochs": f"{base.epochs} -> {p.epochs}"}}
@@ -385,11 +402,61 @@ def ppo_section(model_dir: Path, params: Params, pairs: Sequence[EncodedPair],
     return out
 
 
+def _measure_one(model_dir: Path, params: Params, pairs: Sequence[EncodedPair], pad_id: int,
+                 kind: str, precision: str, repeats: int, epochs: int | None,
+                 batch_size: int | None, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """One update kind at one precision, both sides alternating (`compare`)."""
+    p, stated = settings(params, kind, epochs, precision)
+    if batch_size:
+        p = replace(p, batch_size=batch_size)
+        stated["batch_size"] = batch_size
+    tokens = pair_tokens(pairs) * p.epochs
+    if kind == "dpo":
+        orders = dpo_orders(len(pairs), p.epochs, seed)
+        run_ours = lambda: ours_dpo(model_dir, pairs, p, pad_id, seed)  # noqa: E731
+        run_trl = lambda: trl_dpo(model_dir, pairs, p, params.update.max_length,  # noqa: E731
+                                  orders)
+    else:
+        orders = rm_orders(pairs, p.epochs, seed)
+        run_ours = lambda: ours_rm(model_dir, pairs, p, pad_id, seed)  # noqa: E731
+        run_trl = lambda: trl_rm(model_dir, pairs, p, orders)  # noqa: E731
+    name = kind if precision == "fp32" else f"{kind} {precision}"
+    r = compare(run_ours, run_trl, repeats, len(pairs) * p.epochs, tokens, log, name)
+    log(f"vs_trl {name}: ours {r['ours']['pairs_per_s']} vs trl {r['trl']['pairs_per_s']} "
+        f"pairs/s (x{r['ratio']}, median x{r['ratio_median']}), tokens/s "
+        f"{r['ours']['tokens_per_s']} vs {r['trl']['tokens_per_s']}; per-step loss max "
+        f"|diff| {r['loss_max_abs_diff']} over {r['steps']} steps")
+    return {**r, "settings": stated}
+
+
+def _max_diff(a: Sequence[float], b: Sequence[float]) -> float | None:
+    return max((abs(x - y) for x, y in zip(a, b)), default=None) if len(a) == len(b) else None
+
+
+def bf16_deviation(fp32: dict[str, Any], bf16: dict[str, Any]) -> dict[str, Any]:
+    """How far each side's bf16 per-step losses move from its own fp32 ones over the run (the
+    weights drift apart after the first step, so this bounds the whole trajectory), and the
+    stated tolerance: ours may move no further than the house bf16 tolerance
+    (train_bench.LOSS_TOLERANCE, 0.02 on a loss of ~0.7) or than TRL's own mixed precision
+    moves on the same pairs (the same autocast), whichever is larger."""
+    from benchmarks.train_bench import LOSS_TOLERANCE
+    ours = _max_diff(fp32["ours"]["losses"], bf16["ours"]["losses"])
+    trl = _max_diff(fp32["trl"]["losses"], bf16["trl"]["losses"])
+    bound = max(LOSS_TOLERANCE, trl or 0.0)
+    return {"ours_loss_vs_fp32_max_abs_diff": ours, "trl_loss_vs_fp32_max_abs_diff": trl,
+            "tolerance": round(bound, 6),
+            "tolerance_rule": f"max({LOSS_TOLERANCE}, TRL's own bf16-vs-fp32 deviation)",
+            "within_tolerance": None if ours is None else ours <= bound}
+
+
 def measure_vs_trl(model_dir: Path, kinds: Sequence[str] = ("dpo", "rm", "ppo"),
                    n_pairs: int = 48, repeats: int = 3, epochs: int | None = None,
                    batch_size: int | None = None, seed: int = 0,
-                   log: Callable[[str], None] = print) -> dict[str, Any]:
-    """{"trl": version, kind: comparison, ...}; {"skipped": why} without TRL installed."""
+                   log: Callable[[str], None] = print,
+                   precisions: Sequence[str] = ("fp32",)) -> dict[str, Any]:
+    """{"trl": version, kind: comparison, ...}; {"skipped": why} without TRL installed. Each
+    precision in `precisions` (fp32, bf16) is measured on both sides: `kind` holds fp32,
+    `kind_bf16` bf16 with its per-step deviation from fp32 (`bf16_deviation`)."""
     version = trl_version()
     if version is None:
         msg = f"trl is not installed (pip install -e '.[bench]': trl=={TRL_VERSION})"
@@ -407,26 +474,13 @@ def measure_vs_trl(model_dir: Path, kinds: Sequence[str] = ("dpo", "rm", "ppo"),
         if kind == "ppo":
             out["ppo"] = ppo_section(model_dir, params, pairs, epochs, log)
             continue
-        p, stated = settings(params, kind, epochs)
-        if batch_size:
-            p = replace(p, batch_size=batch_size)
-            stated["batch_size"] = batch_size
-        tokens = pair_tokens(pairs) * p.epochs
-        if kind == "dpo":
-            orders = dpo_orders(len(pairs), p.epochs, seed)
-            run_ours = lambda: ours_dpo(model_dir, pairs, p, tok.pad_token_id, seed)  # noqa: E731
-            run_trl = lambda: trl_dpo(model_dir, pairs, p, params.update.max_length,  # noqa: E731
-                                      orders)
-        else:
-            orders = rm_orders(pairs, p.epochs, seed)
-            run_ours = lambda: ours_rm(model_dir, pairs, p, tok.pad_token_id, seed)  # noqa: E731
-            run_trl = lambda: trl_rm(model_dir, pairs, p, orders)  # noqa: E731
-        r = compare(run_ours, run_trl, repeats, len(pairs) * p.epochs, tokens, log, kind)
-        out[kind] = {**r, "settings": stated}
-        log(f"vs_trl {kind}: ours {r['ours']['pairs_per_s']} vs trl {r['trl']['pairs_per_s']} "
-            f"pairs/s (x{r['ratio']}, median x{r['ratio_median']}), tokens/s "
-            f"{r['ours']['tokens_per_s']} vs {r['trl']['tokens_per_s']}; per-step loss max "
-            f"|diff| {r['loss_max_abs_diff']} over {r['steps']} steps")
+        for precision in precisions:
+            key = kind if precision == "fp32" else f"{kind}_{precision}"
+            out[key] = _measure_one(model_dir, params, pairs, tok.pad_token_id, kind,
+                                    precision, repeats, epochs, batch_size, seed, log)
+        if kind in out and f"{kind}_bf16" in out:
+            out[f"{kind}_bf16"]["bf16_deviation"] = bf16_deviation(out[kind], out[f"{kind}_bf16"])
+            log(f"vs_trl {kind} bf16 vs fp32 losses: {out[f'{kind}_bf16']['bf16_deviation']}")
     return out
 
 
@@ -439,12 +493,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per side")
     ap.add_argument("--epochs", type=int, help="default: the profile's (RM: at least 1)")
     ap.add_argument("--batch-size", type=int, help="default: the profile's")
+    ap.add_argument("--precisions", default="fp32,bf16",
+                    help="fp32 and/or bf16 (autocast on both sides), each side by side")
     a = ap.parse_args(argv)
     from benchmarks import isolation
     from benchmarks.run import ensure_model, log
     torch.set_num_threads(int(os.environ.get("ALIGNLOOP_THREADS", isolation.THREADS)))
     out = measure_vs_trl(ensure_model(a.model), [k for k in a.kinds.split(",") if k], a.pairs,
-                         a.repeats, a.epochs, a.batch_size, log=log)
+                         a.repeats, a.epochs, a.batch_size, log=log,
+                         precisions=[x for x in a.precisions.split(",") if x])
     print(json.dumps(out, default=str), flush=True)
     return 0
 

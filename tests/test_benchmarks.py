@@ -33,7 +33,11 @@ def _fake(**over: object) -> dict:
             "rollout": {"rollout_speedup": 3.4, "rollout_speedup_worst_pass": 3.1,
                         "logprob_max_abs_err": 2e-4},
             "cached": {"cached_rerun_s": 0.9}, "scaling": rows, "meta": {"quick": True},
-            "vs_trl": {"dpo": {"ratio": 2.1}, "rm": {"ratio": 1.4}, "ppo": {"ours": {}}}}
+            "vs_trl": {"dpo": {"ratio": 2.1}, "rm": {"ratio": 1.4}, "ppo": {"ours": {}},
+                       "dpo_bf16": {"ratio": 2.4,
+                                    "bf16_deviation": {"within_tolerance": True}},
+                       "rm_bf16": {"ratio": 1.9,
+                                   "bf16_deviation": {"within_tolerance": False}}}}
     args.update(over)
     return report.assemble(**args)  # type: ignore[arg-type]
 
@@ -44,7 +48,8 @@ def test_all_targets_on_fake_figures():
         "train_mfu_dpo": True, "train_mfu_rm": True, "train_mfu_ppo": False,
         "rollout_speedup": True, "rollout_speedup_every_pass": True,
         "logprob_max_abs_err": True, "cached_rerun_s": True, "vs_trl_dpo": True,
-        "vs_trl_rm": False, "scaling_linear": True}
+        "vs_trl_rm": False, "vs_trl_dpo_bf16": True, "vs_trl_dpo_bf16_loss": True,
+        "vs_trl_rm_bf16": False, "vs_trl_rm_bf16_loss": False, "scaling_linear": True}
     assert out["scaling_ratios"] == {"t2/t1": 1.7, "t4/t1": 3.9}
     assert out["train_mfu_summary"]["dpo"]["precision"] == "bf16"
     assert out["train_mfu_summary"]["ppo"]["bf16_loss_within_tolerance"] is False
@@ -59,6 +64,7 @@ def test_misses_and_skipped_sections():
     assert met["rollout_speedup"] is False and met["logprob_max_abs_err"] is False
     assert met["rollout_speedup_every_pass"] is None      # no per-pass figures: unknown
     assert met["vs_trl_dpo"] is None and met["vs_trl_rm"] is None
+    assert met["vs_trl_dpo_bf16"] is None and met["vs_trl_rm_bf16_loss"] is None
     # the fastest pass meets the bar, one pass does not: every-pass is missed
     one_slow = _fake(rollout={"rollout_speedup": 3.2, "rollout_speedup_worst_pass": 2.8,
                               "logprob_max_abs_err": 1e-4})["targets_met"]
@@ -124,13 +130,21 @@ def test_vs_trl_losses_equal_trls_on_a_tiny_model(tmp_path) -> None:
     assert trl_version() == TRL_VERSION, "pip install -e '.[bench]' (trl is missing or other)"
     save_tiny(TinyModelParams(), 0, tmp_path)
     out = measure_vs_trl(tmp_path, ["dpo", "rm"], n_pairs=2, repeats=1, epochs=1,
-                         batch_size=1, log=lambda _: None)
+                         batch_size=1, log=lambda _: None, precisions=("fp32", "bf16"))
     for kind, tolerance in (("dpo", 1e-4), ("rm", 1e-5)):
         r = out[kind]
         assert r["steps"] == 2 and r["same_steps"], r
         assert r["loss_max_abs_diff"] < tolerance, (kind, r["ours"]["losses"], r["trl"]["losses"])
         assert r["ours"]["losses"][0] != r["ours"]["losses"][1]       # the first step trained
         assert r["ours"]["pairs_per_s"] > 0 and r["trl"]["pairs_per_s"] > 0
+        # both sides in bf16 autocast (TRL's weights stay fp32: checked in trl_dpo/trl_rm):
+        # the same steps, close to each other, and not the fp32 arithmetic
+        b = out[f"{kind}_bf16"]
+        assert b["settings"]["precision"] == "bf16" and b["same_steps"]
+        assert b["loss_max_abs_diff"] < 1e-2, (kind, b["ours"]["losses"], b["trl"]["losses"])
+        dev = b["bf16_deviation"]
+        assert 0 < dev["ours_loss_vs_fp32_max_abs_diff"] < 1e-2 and dev["within_tolerance"]
+        assert 0 < dev["trl_loss_vs_fp32_max_abs_diff"] < 1e-2
 
 
 def test_rollout_bench_times_three_sides_on_a_tiny_model(tmp_path) -> None:
