@@ -19,7 +19,8 @@ that server stopped, `temp_server_wall_s`: the whole rerun as a user's shell see
 default path, where each run starts a temporary Prefect server of its own.
 
 `--yaml-ab` (after a run has left the workspace): cached reruns with DVC's YAML parsed by
-ruamel's pure-Python loader and by its C loader, alternating (`yaml_loader_ab`).
+ruamel's pure-Python loader and by its C loader, alternating (`yaml_loader_ab`);
+`--heartbeat-ab`: with Prefect's flow-heartbeat loop and with ours (flows/heartbeats.py).
 """
 from __future__ import annotations
 
@@ -81,10 +82,11 @@ def lazy_import_s(stderr: str) -> tuple[float, list[tuple[str, float]]]:
 
 
 def timed_rerun(args: list[str], env: dict[str, str], work: Path,
-                profile: Path | None = None) -> dict[str, Any]:
-    """One `alignloop ARGS` through timed_cli.py; its split, and whether anything ran."""
+                profile: Path | None = None, flags: list[str] | None = None) -> dict[str, Any]:
+    """One `alignloop ARGS` through timed_cli.py (with its `flags`); its split, and whether
+    anything ran."""
     timings = work / "timings.json"
-    extra = ["--profile", str(profile)] if profile else []
+    extra = (["--profile", str(profile)] if profile else []) + (flags or [])
     t_spawn = time.time()
     proc = subprocess.run([sys.executable, "-X", "importtime", str(TIMED_CLI), str(timings),
                            *extra, *args], env=env, cwd=REPO, capture_output=True, text=True,
@@ -184,28 +186,24 @@ def measure_cached_rerun(work: Path, params: Path = TINY, reruns: int = 5,
     return out
 
 
-def yaml_loader_ab(work: Path, pairs: int = 4) -> dict[str, Any]:
-    """On the workspace measure_cached_rerun left in `work`: cached reruns with ruamel's pure
-    Python YAML loader (its C extension hidden by a module that refuses to import) and with
-    the C loader, alternating, `pairs` of each; rest_s of every rerun and the 1-minute load."""
+def _alternate(work: Path, sides: dict[str, tuple[dict[str, str], list[str]]],
+               pairs: int) -> dict[str, Any]:
+    """On the workspace measure_cached_rerun left in `work`, against one standalone server:
+    cached reruns of each side (extra environment, extra timed_cli flags) in turn, `pairs`
+    rounds; rest_s of every rerun and the 1-minute load."""
     ws = work / "ws"
     if not (ws / "dvc.lock").is_file():
         raise SystemExit(f"{ws}: no workspace; run `python -m benchmarks.cached_rerun {work}`")
-    shim = work / "no-c-yaml"
-    shim.mkdir(exist_ok=True)
-    (shim / "_ruamel_yaml.py").write_text('raise ImportError("hidden: pure-Python YAML")\n')
     env = isolated_env(work / "stores")
     server, _ = _start_server(ws, env)
     env = {**env, "PREFECT_API_URL": server["api_url"]}
-    sides = {"pure_python_yaml": {**env, "PYTHONPATH": os.pathsep.join([str(shim),
-                                                                         env["PYTHONPATH"]])},
-             "c_yaml": env}
     out: dict[str, Any] = {name: [] for name in sides}
     out["load_1min"] = []
     try:
         for _ in range(pairs):
-            for name, side_env in sides.items():
-                r = timed_rerun(["run", "--workspace", str(ws)], side_env, work)
+            for name, (extra_env, flags) in sides.items():
+                r = timed_rerun(["run", "--workspace", str(ws)], {**env, **extra_env}, work,
+                                flags=flags)
                 if not r["all_cached"]:
                     raise RuntimeError("a rerun ran a stage: not a cached rerun")
                 out[name].append(round(r["rest_s"], 2))
@@ -215,11 +213,31 @@ def yaml_loader_ab(work: Path, pairs: int = 4) -> dict[str, Any]:
     return out
 
 
-if __name__ == "__main__":   # python -m benchmarks.cached_rerun [WORKDIR] [--profile|--yaml-ab]
+def yaml_loader_ab(work: Path, pairs: int = 4) -> dict[str, Any]:
+    """Cached reruns with ruamel's pure-Python YAML loader (its C extension hidden by a module
+    that refuses to import) and with the C loader, alternating (`_alternate`)."""
+    shim = work / "no-c-yaml"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "_ruamel_yaml.py").write_text('raise ImportError("hidden: pure-Python YAML")\n')
+    path = os.pathsep.join([str(shim), isolated_env(work / "stores")["PYTHONPATH"]])
+    return _alternate(work, {"pure_python_yaml": ({"PYTHONPATH": path}, []),
+                             "c_yaml": ({}, [])}, pairs)
+
+
+def heartbeat_ab(work: Path, pairs: int = 4) -> dict[str, Any]:
+    """Cached reruns with Prefect's own flow-heartbeat loop (joined at the flow's end, up to
+    1 s) and with flows/heartbeats.py's, alternating (`_alternate`)."""
+    return _alternate(work, {"prefect_heartbeats": ({}, ["--prefect-heartbeats"]),
+                             "alignloop_heartbeats": ({}, [])}, pairs)
+
+
+if __name__ == "__main__":   # python -m benchmarks.cached_rerun [WORKDIR] [--profile|--yaml-ab|--heartbeat-ab]
     d = Path(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("-") \
         else REPO / "benchmarks" / ".cache" / "tiny"
     if "--yaml-ab" in sys.argv:
         print(json.dumps(yaml_loader_ab(d), indent=1))
+    elif "--heartbeat-ab" in sys.argv:
+        print(json.dumps(heartbeat_ab(d), indent=1))
     else:
         print(json.dumps(measure_cached_rerun(d, profile="--profile" in sys.argv), indent=1))
     os._exit(0)

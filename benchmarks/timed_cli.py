@@ -4,7 +4,9 @@ Run as `python -X importtime benchmarks/timed_cli.py TIMINGS.json ARGS...`; the 
 below is the earliest point Python code runs, so (its wall clock - the parent's spawn time) is
 interpreter start-up. After the module-level imports a marker goes to stderr: the top-level
 `-X importtime` entries after it are the imports the command does lazily (cached_rerun.py sums
-them). With `--profile OUT.prof` before ARGS the command runs under cProfile.
+them). With `--profile OUT.prof` before ARGS the command runs under cProfile; with
+`--prefect-heartbeats` (after it, before ARGS) Prefect's own flow-heartbeat loop runs instead
+of flows/heartbeats.py's.
 """
 import time
 
@@ -21,13 +23,18 @@ MARKER = "timed_cli: module-level imports done"
 
 def main() -> None:
     out, args = Path(sys.argv[1]), sys.argv[2:]
-    prof_path = None
+    prof_path, prefect_heartbeats = None, False
     if args[:1] == ["--profile"]:
         prof_path, args = args[1], args[2:]
+    if args[:1] == ["--prefect-heartbeats"]:
+        prefect_heartbeats, args = True, args[1:]
     # what flows.cli sets before it imports Prefect, set before we import it here
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     from flows import cli, pipeline, registry, schedule  # noqa: F401  (the run's imports)
+    if prefect_heartbeats:                 # Prefect's own loop (cached_rerun --heartbeat-ab)
+        from flows import heartbeats
+        heartbeats.uninstall()
     t_imports = time.time()
     print(MARKER, file=sys.stderr, flush=True)   # -X importtime lines after it: lazy imports
     code: object = 0

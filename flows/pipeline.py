@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from flows import crashpoints, dag, registry, signals, targets, tracking
+from flows import crashpoints, dag, heartbeats, registry, signals, targets, tracking
 from flows.workspace import Workspace, git, git_bytes
 from tasks import layout
 from tasks.judges import PAIRWISE_KINDS
@@ -29,6 +29,8 @@ from tasks.params import JudgeParams, load_params
 Summary = dict[str, Any]
 REPORT_ARTIFACT_KEY = "alignloop-report"     # the Prefect artifact (one version per run)
 REPORT_MLFLOW_PATH = "report"                # artifact folder in the last iteration's MLflow run
+
+heartbeats.install()        # every process that runs the flow: it ends without a 0-1 s wait
 
 
 def say(msg: str) -> None:
