@@ -43,8 +43,9 @@ def main() -> None:
         import cProfile
         profiler = cProfile.Profile()
         profiler.enable()
-    try:
-        cli.main(args)
+    sys.argv = ["alignloop", *args]      # the program's own entry (cli.main(), as the
+    try:                                   # console script calls it), not an in-process call
+        cli.main()
     except SystemExit as e:
         code = e.code
     if profiler is not None:

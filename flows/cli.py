@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -446,6 +447,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    program = argv is None                    # the program itself, not a caller in-process
+    if program:
+        # The ~425k objects Prefect, DVC and MLflow leave at import live as long as the
+        # process: frozen, the cyclic GC passes of the command skip them (a cached rerun's
+        # command 1.00 -> 0.88 s, median of 5 alternating), and so do those of the
+        # interpreter's exit, which took 1.1 s of every command (exit 1.18 -> 0.11 s).
+        # atexit and log handlers, module teardown and refcount-freed objects run as before.
+        gc.freeze()
     args = build_parser().parse_args(argv)
     signals.install()
     try:
@@ -464,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
         code = 0
     if signals.received() is not None and code == 0:
         code = 128 + int(signals.received() or 0)
+    if program:
+        gc.freeze()                           # and what the command made, for the exit
     raise SystemExit(code)
 
 

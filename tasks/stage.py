@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import threading
@@ -94,6 +95,7 @@ def run_main(body: Callable[[], None]) -> None:
     under the CLI an unexpected error gives one line too, its traceback going to the run's
     log file (run by hand, e.g. `dvc repro`, it propagates as usual)."""
     _die_with_cli()
+    _freeze_if_program()          # torch's and transformers' import-time objects
     try:
         body()
     except InputError as e:
@@ -105,3 +107,16 @@ def run_main(body: Callable[[], None]) -> None:
         with open(log, "a", encoding="utf-8") as f:
             traceback.print_exc(file=f)
         _fail(f"error: {type(e).__name__}: {e} (traceback in {log})", 1)
+    finally:
+        _freeze_if_program()      # and what the stage made, for the exit
+
+
+def _freeze_if_program() -> None:
+    """Run as a program (`python -m tasks.<stage>`, what DVC runs), move every object alive
+    now out of the cyclic GC's reach: the ~370k objects torch and transformers leave at
+    import live as long as the process, and the interpreter's exit ran cyclic GC over them,
+    ~1 s a stage (exit 1.0 -> 0.16 s). atexit and log handlers, module teardown and
+    refcount-freed objects run as before. Never in a caller's process (tests)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name.startswith("tasks."):
+        gc.freeze()
