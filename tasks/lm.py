@@ -247,7 +247,11 @@ def attention_mask(model: torch.nn.Module, allowed: Tensor) -> Tensor:
     and the lowest fp32 value elsewhere (booleans added as 0 / 1 would mask nothing: every
     token would see the future and the other responses of its row). fp32 for any weight dtype:
     the scores are promoted to it before eager's fp32 softmax."""
-    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    config = getattr(model, "config", None)
+    if config is None and isinstance(model, torch.nn.Module):   # a wrapper: the model inside
+        config = next((m.config for m in model.modules()
+                       if getattr(m, "config", None) is not None), None)
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
     if impl == "sdpa":
         return allowed
     if impl == "eager":

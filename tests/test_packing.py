@@ -221,6 +221,15 @@ def test_packed_reward_scores_equal_unpacked_for_any_lengths(seed: int) -> None:
             assert torch.allclose(r[i], rm.score(h)[0], atol=1e-5)
 
 
+class _Wrapper(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs: object) -> object:
+        return self.inner(**kwargs)
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_packing_is_exact_under_the_models_attention_implementation(impl, tmp_path) -> None:
     """A user's model that runs eager attention (an architecture without sdpa, or a config
@@ -235,11 +244,14 @@ def test_packing_is_exact_under_the_models_attention_implementation(impl, tmp_pa
                                                               attn_implementation=impl).eval()
     assert model.config._attn_implementation == impl
     head = ValueHead(TinyModelParams().hidden_size)
+    wrapped = _Wrapper(model)                 # a module around the model: its config is read
     with torch.no_grad():
         logp, values, _ = logprobs_and_values(model, head, prompts, responses, pad_id=0)
+        logp_wrapped, _ = lm.response_logprobs(wrapped, prompts, responses, pad_id=0)
         for i, (x, y) in enumerate(zip(prompts, responses)):
             ref, hidden = _unpacked(model, x, y)
             assert torch.allclose(logp[i, : len(y)], ref, atol=1e-5)
+            assert torch.allclose(logp_wrapped[i, : len(y)], ref, atol=1e-5)
             assert torch.allclose(values[i, : len(y)], head(hidden[None])[0], atol=1e-5)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                       num_attention_heads=4, intermediate_size=64,
