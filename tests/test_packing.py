@@ -12,6 +12,7 @@ from tasks.params import TinyModelParams
 from tasks.reward_model import EncodedPair, RewardEnsemble, member_pair_rewards, member_rewards
 from tasks.tiny_model import build_tiny_model
 from tasks.value_head import ValueHead, logprobs_and_values
+from test_sampling import Wrapped
 
 VOCAB = 300
 
@@ -221,15 +222,6 @@ def test_packed_reward_scores_equal_unpacked_for_any_lengths(seed: int) -> None:
             assert torch.allclose(r[i], rm.score(h)[0], atol=1e-5)
 
 
-class _Wrapper(torch.nn.Module):
-    def __init__(self, inner: torch.nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, **kwargs: object) -> object:
-        return self.inner(**kwargs)
-
-
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_packing_is_exact_under_the_models_attention_implementation(impl, tmp_path) -> None:
     """A user's model that runs eager attention (an architecture without sdpa, or a config
@@ -244,7 +236,7 @@ def test_packing_is_exact_under_the_models_attention_implementation(impl, tmp_pa
                                                               attn_implementation=impl).eval()
     assert model.config._attn_implementation == impl
     head = ValueHead(TinyModelParams().hidden_size)
-    wrapped = _Wrapper(model)                 # a module around the model: its config is read
+    wrapped = Wrapped(model)                  # a module around the model: its config is read
     with torch.no_grad():
         logp, values, _ = logprobs_and_values(model, head, prompts, responses, pad_id=0)
         logp_wrapped, _ = lm.response_logprobs(wrapped, prompts, responses, pad_id=0)
