@@ -240,6 +240,15 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                   ends, starts, [len(r) for r in responses])
 
 
+def model_config(model: object) -> object | None:
+    """A model's transformers config: its own, or (a wrapper module) the first inside it."""
+    config = getattr(model, "config", None)
+    if config is None and isinstance(model, torch.nn.Module):
+        config = next((m.config for m in model.modules()
+                       if getattr(m, "config", None) is not None), None)
+    return config
+
+
 def attention_mask(model: torch.nn.Module, allowed: Tensor) -> Tensor:
     """A packed (G, 1, T, T) boolean mask (True: may attend) in the form `model`'s attention
     implementation reads it. transformers hands a 4D mask to the attention function unchanged:
@@ -247,11 +256,7 @@ def attention_mask(model: torch.nn.Module, allowed: Tensor) -> Tensor:
     and the lowest fp32 value elsewhere (booleans added as 0 / 1 would mask nothing: every
     token would see the future and the other responses of its row). fp32 for any weight dtype:
     the scores are promoted to it before eager's fp32 softmax."""
-    config = getattr(model, "config", None)
-    if config is None and isinstance(model, torch.nn.Module):   # a wrapper: the model inside
-        config = next((m.config for m in model.modules()
-                       if getattr(m, "config", None) is not None), None)
-    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    impl = getattr(model_config(model), "_attn_implementation", None) or "sdpa"
     if impl == "sdpa":
         return allowed
     if impl == "eager":

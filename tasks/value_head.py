@@ -60,7 +60,7 @@ class _HiddenTap:
 
     def __init__(self, model: torch.nn.Module):
         self.model, self.hidden = model, torch.empty(0)   # cpu: a placeholder, set per call
-        self.config = model.config                        # lm.attention_mask reads it
+        self.config = lm.model_config(model)              # lm.attention_mask reads it
 
     def __call__(self, **kwargs: Tensor) -> object:
         out = self.model(**kwargs, output_hidden_states=True)
