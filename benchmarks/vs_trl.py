@@ -12,7 +12,7 @@ sides, fp32 and bf16 autocast each measured side by side (`--precisions`):
   sentences (params/gold/register_examples.jsonl), each response cut to RESPONSE_TOKENS ids.
 - order: ours draws each epoch's order from its rng (`train_dpo`: randperm; `train_reward`:
   `prompt_batches`); TRL's train sampler is replaced by one that yields exactly those orders
-  (`_FixedOrder`), its dataset otherwise unshuffled.
+  (`trl_side._FixedOrder`), its dataset otherwise unshuffled.
 - optimiser: AdamW (torch's, betas 0.9/0.999, eps 1e-8, our weight decay), constant learning
   rate, no warm-up, no gradient clipping (ours clips nothing: TRL's max_grad_norm=0), batch =
   ours, gradient accumulation 1; TRL at its fastest CPU settings: gradient checkpointing off,
@@ -31,7 +31,7 @@ sides, fp32 and bf16 autocast each measured side by side (`--precisions`):
 Settings that differ from the default profile, and why (they are the same on both sides):
 - precision (profile: auto = bf16 autocast on this CPU): fp32, and bf16 where TRL runs the
   Trainer's mixed precision (`bf16=True`), which on the CPU is torch.autocast with the weights
-  in fp32, as ours (`_check_precision` asserts both). bf16's per-step losses are compared with
+  in fp32, as ours (`trl_side._check_precision` asserts both). bf16's per-step losses are compared with
   the same side's fp32 losses (`bf16_deviation`: the stated tolerance).
 - DPO without the SFT anchor (profile: sft_weight 1, RPO): TRL 1.16 has no rpo_alpha; its
   `sft` loss term averages the NLL over all chosen tokens of a batch, ours per pair then over
@@ -61,7 +61,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.trl_side import trl_dpo, trl_rm  # noqa: E402
 from tasks import lm  # noqa: E402
 from tasks.distributed import LOSSES_ENV  # noqa: E402
 from tasks.params import DPOParams, Params, TrainRMParams, load_params  # noqa: E402
@@ -181,133 +182,7 @@ def ours_rm(model_dir: Path, pairs: Sequence[EncodedPair], p: TrainRMParams, pad
     return _ours(lambda: train_reward(model, pairs, p, pad, torch.Generator().manual_seed(seed)))
 
 
-# 3. TRL's side ------------------------------------------------------------------------------
-
-class _FixedOrder(torch.utils.data.Sampler[int]):
-    """Yields orders[e] in epoch e (the Trainer calls set_epoch before each epoch)."""
-
-    def __init__(self, orders: list[list[int]]):
-        self.orders, self.epoch = orders, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.orders[min(self.epoch, len(self.orders) - 1)])
-
-    def __len__(self) -> int:
-        return len(self.orders[0])
-
-
-def _instrumented(base: type, orders: list[list[int]]) -> type:
-    """`base` (a TRL trainer) with our batch order, per-step losses recorded, its reference
-    precompute timed, and pre-tokenised DPO rows passed through unchanged."""
-
-    class Bench(base):  # type: ignore[misc, valid-type]
-        step_losses: list[float]
-        precompute_s = 0.0
-
-        def _prepare_dataset(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
-            if "prompt_ids" in dataset.column_names:          # DPO rows: our ids as they are
-                return dataset
-            return super()._prepare_dataset(dataset, *args, **kwargs)
-
-        def _precompute_ref_logps(self, *args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            out = super()._precompute_ref_logps(*args, **kwargs)
-            type(self).precompute_s += time.perf_counter() - t0
-            return out
-
-        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> torch.utils.data.Sampler:
-            return _FixedOrder(orders)
-
-        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            out = super().compute_loss(model, inputs, *args, **kwargs)
-            if model.training:
-                loss = out[0] if isinstance(out, tuple) else out
-                self.step_losses.append(float(loss.detach()))
-            return out
-
-    Bench.step_losses = []
-    return Bench
-
-
-def _common_args(out_dir: str, lr: float, batch_size: int, epochs: int,
-                 weight_decay: float, precision: str) -> dict[str, Any]:
-    """TrainingArguments both TRL trainers get (module docstring: what is matched)."""
-    import datasets
-    datasets.disable_progress_bars()
-    os.environ["TQDM_DISABLE"] = "1"                  # TRL's reference-precompute bar
-    return dict(output_dir=out_dir, learning_rate=lr, per_device_train_batch_size=batch_size,
-                num_train_epochs=epochs, lr_scheduler_type="constant", warmup_steps=0,
-                optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-                weight_decay=weight_decay, max_grad_norm=0.0, gradient_accumulation_steps=1,
-                activation_checkpointing=False, gradient_checkpointing=False,
-                bf16=precision == "bf16",
-                fp16=False, use_cpu=True, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
-                dataloader_num_workers=0, seed=0)
-
-
-def _check_precision(trainer: Any, precision: str) -> None:
-    """TRL's bf16 on the CPU is the Trainer's mixed precision, torch.autocast as ours, with the
-    weights left in fp32: checked, so that the two sides run the same arithmetic."""
-    want = "bf16" if precision == "bf16" else "no"
-    assert str(trainer.accelerator.mixed_precision) == want, trainer.accelerator.mixed_precision
-    assert all(w.dtype == torch.float32 for w in trainer.model.parameters()), "TRL cast weights"
-
-
-def _quiet(trainer: Any) -> None:
-    """No per-step log dict on stdout (the Trainer prints one when tqdm is off)."""
-    from transformers.trainer_callback import PrinterCallback
-    trainer.remove_callback(PrinterCallback)
-
-
-def trl_dpo(model_dir: Path, pairs: Sequence[EncodedPair], p: DPOParams, max_length: int,
-            orders: list[list[int]]) -> Side:
-    from datasets import Dataset
-    from trl import DPOConfig, DPOTrainer
-    tok = lm.load_tokenizer(model_dir)
-    model = lm.load_causal_lm(model_dir)
-    data = Dataset.from_list([{"prompt_ids": list(e.prompt_ids), "chosen_ids": list(e.chosen_ids),
-                               "rejected_ids": list(e.rejected_ids)} for e in pairs])
-    cls = _instrumented(DPOTrainer, orders)
-    with tempfile.TemporaryDirectory() as tmp:
-        args = DPOConfig(**_common_args(tmp, p.lr, p.batch_size, p.epochs, 0.0, p.precision),
-                         beta=p.beta, loss_type=["sigmoid"], label_smoothing=0.0,
-                         max_length=max_length, precompute_ref_log_probs=True,
-                         precompute_ref_batch_size=p.batch_size)
-        trainer = cls(model=model, ref_model=None, args=args, train_dataset=data,
-                      processing_class=tok)
-        assert not model.is_activation_checkpointing, "TRL turned checkpointing on"
-        _check_precision(trainer, p.precision)
-        _quiet(trainer)
-        t0 = time.perf_counter()
-        trainer.train()
-        seconds = time.perf_counter() - t0 + cls.precompute_s
-    return Side(seconds, list(cls.step_losses))
-
-
-def trl_rm(model_dir: Path, pairs: Sequence[EncodedPair], p: TrainRMParams,
-           orders: list[list[int]]) -> Side:
-    from datasets import Dataset
-    from trl import RewardConfig, RewardTrainer
-    tok = lm.load_tokenizer(model_dir)
-    model = rm_model(model_dir, p)
-    data = Dataset.from_list([{"chosen_ids": list(e.prompt_ids + e.chosen_ids),
-                               "rejected_ids": list(e.prompt_ids + e.rejected_ids)}
-                              for e in pairs])
-    cls = _instrumented(RewardTrainer, orders)
-    with tempfile.TemporaryDirectory() as tmp:
-        args = RewardConfig(**_common_args(tmp, p.lr, p.batch_size, p.epochs, p.weight_decay,
-                                           p.precision),
-                            max_length=p.max_length, center_rewards_coefficient=None)
-        trainer = cls(model=model, args=args, train_dataset=data, processing_class=tok)
-        _check_precision(trainer, p.precision)
-        _quiet(trainer)
-        t0 = time.perf_counter()
-        trainer.train()
-        seconds = time.perf_counter() - t0
-    return Side(seconds, list(cls.step_losses))
+# 3. TRL's side: benchmarks/trl_side.py ------------------------------------------------------
 
 
 # 4. alternate the sides, summarise ----------------------------------------------------------
@@ -414,12 +289,13 @@ def _measure_one(model_dir: Path, params: Params, pairs: Sequence[EncodedPair], 
     if kind == "dpo":
         orders = dpo_orders(len(pairs), p.epochs, seed)
         run_ours = lambda: ours_dpo(model_dir, pairs, p, pad_id, seed)  # noqa: E731
-        run_trl = lambda: trl_dpo(model_dir, pairs, p, params.update.max_length,  # noqa: E731
-                                  orders)
+        run_trl = lambda: Side(*trl_dpo(model_dir, pairs, p,  # noqa: E731
+                                        params.update.max_length, orders))
     else:
         orders = rm_orders(pairs, p.epochs, seed)
         run_ours = lambda: ours_rm(model_dir, pairs, p, pad_id, seed)  # noqa: E731
-        run_trl = lambda: trl_rm(model_dir, pairs, p, orders)  # noqa: E731
+        run_trl = lambda: Side(*trl_rm(model_dir, rm_model(model_dir, p), pairs, p,  # noqa: E731
+                                       orders))
     name = kind if precision == "fp32" else f"{kind} {precision}"
     r = compare(run_ours, run_trl, repeats, len(pairs) * p.epochs, tokens, log, name)
     log(f"vs_trl {name}: ours {r['ours']['pairs_per_s']} vs trl {r['trl']['pairs_per_s']} "
