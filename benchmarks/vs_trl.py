@@ -31,8 +31,8 @@ sides, fp32 and bf16 autocast each measured side by side (`--precisions`):
 Settings that differ from the default profile, and why (they are the same on both sides):
 - precision (profile: auto = bf16 autocast on this CPU): fp32, and bf16 where TRL runs the
   Trainer's mixed precision (`bf16=True`), which on the CPU is torch.autocast with the weights
-  in fp32, as ours (`trl_side._check_precision` asserts both). bf16's per-step losses are compared with
-  the same side's fp32 losses (`bf16_deviation`: the stated tolerance).
+  in fp32, as ours (`trl_side._check_precision` asserts both). bf16's per-step losses are
+  compared with the same side's fp32 losses (`bf16_deviation`: the stated tolerance).
 - DPO without the SFT anchor (profile: sft_weight 1, RPO): TRL 1.16 has no rpo_alpha; its
   `sft` loss term averages the NLL over all chosen tokens of a batch, ours per pair then over
   pairs, so the two differ whenever lengths differ. The term is one extra sum over log-probs
