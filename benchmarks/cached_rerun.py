@@ -231,7 +231,8 @@ def heartbeat_ab(work: Path, pairs: int = 4) -> dict[str, Any]:
                              "alignloop_heartbeats": ({}, [])}, pairs)
 
 
-if __name__ == "__main__":   # python -m benchmarks.cached_rerun [WORKDIR] [--profile|--yaml-ab|--heartbeat-ab]
+# python -m benchmarks.cached_rerun [WORKDIR] [--profile | --yaml-ab | --heartbeat-ab]
+if __name__ == "__main__":
     d = Path(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("-") \
         else REPO / "benchmarks" / ".cache" / "tiny"
     if "--yaml-ab" in sys.argv:
