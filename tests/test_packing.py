@@ -3,6 +3,8 @@ share one row with the prompt computed once, and each response gets exactly what
 [prompt | response] forward gives: log-probs and their gradients, values, reward scores."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -224,16 +226,18 @@ def test_packed_reward_scores_equal_unpacked_for_any_lengths(seed: int) -> None:
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_packing_is_exact_under_the_models_attention_implementation(impl, tmp_path) -> None:
-    """A user's model that runs eager attention (an architecture without sdpa, or a config
-    asking for it): transformers hands our 4D mask to the attention function unchanged, and
-    eager adds it to the scores, so booleans masked nothing (packed log-probs off by 0.05 on
-    the tiny model: every token saw the future and the row's other responses). Loaded from a
-    saved directory as the stages load it, packed log-probs, values and RM scores equal a plain
-    unpacked forward."""
+    """A user's model whose config.json asks for eager attention (as some models ship):
+    transformers hands our 4D mask to the attention function unchanged, and eager adds it to
+    the scores, so booleans masked nothing (packed log-probs off by 0.05 on the tiny model:
+    every token saw the future and the row's other responses). Loaded by the stages' own
+    loaders (`lm.load_causal_lm`, `init_reward_model` on it as backbone), packed log-probs,
+    values and RM scores equal a plain unpacked forward."""
+    from tasks.reward_model import init_reward_model
     prompts, responses = _random_plan(3)
-    _policy().save_pretrained(tmp_path / "policy")
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy",
-                                                              attn_implementation=impl).eval()
+    _policy().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "attn_implementation": impl}))
+    model = lm.load_causal_lm(tmp_path)
     assert model.config._attn_implementation == impl
     head = ValueHead(TinyModelParams().hidden_size)
     wrapped = Wrapped(model)                  # a module around the model: its config is read
@@ -245,13 +249,8 @@ def test_packing_is_exact_under_the_models_attention_implementation(impl, tmp_pa
             assert torch.allclose(logp[i, : len(y)], ref, atol=1e-5)
             assert torch.allclose(logp_wrapped[i, : len(y)], ref, atol=1e-5)
             assert torch.allclose(values[i, : len(y)], head(hidden[None])[0], atol=1e-5)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                      num_attention_heads=4, intermediate_size=64,
-                                      num_labels=1, pad_token_id=0)
-    torch.manual_seed(0)
-    transformers.LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
-    rm = transformers.AutoModelForSequenceClassification.from_pretrained(
-        tmp_path / "rm", attn_implementation=impl).eval()
+    rm = init_reward_model(tmp_path, torch.Generator().manual_seed(0)).eval()
+    assert rm.config._attn_implementation == impl
     with torch.no_grad():
         r = member_rewards(rm, prompts, responses, pad_id=0)[0]
         for i, (x, y) in enumerate(zip(prompts, responses)):
