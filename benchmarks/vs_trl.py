@@ -182,10 +182,7 @@ def ours_rm(model_dir: Path, pairs: Sequence[EncodedPair], p: TrainRMParams, pad
     return _ours(lambda: train_reward(model, pairs, p, pad, torch.Generator().manual_seed(seed)))
 
 
-# 3. TRL's side: benchmarks/trl_side.py ------------------------------------------------------
-
-
-# 4. alternate the sides, summarise ----------------------------------------------------------
+# 3. both sides alternating (TRL's: benchmarks/trl_side.py), summarised ------------------
 
 def _rates(runs: Sequence[Side], pairs_per_run: int, tokens_per_run: int) -> dict[str, Any]:
     secs = [r.seconds for r in runs]
@@ -333,6 +330,9 @@ def measure_vs_trl(model_dir: Path, kinds: Sequence[str] = ("dpo", "rm", "ppo"),
     """{"trl": version, kind: comparison, ...}; {"skipped": why} without TRL installed. Each
     precision in `precisions` (fp32, bf16) is measured on both sides: `kind` holds fp32,
     `kind_bf16` bf16 with its per-step deviation from fp32 (`bf16_deviation`)."""
+    unknown = set(precisions) - {"fp32", "bf16"}
+    if unknown:
+        raise ValueError(f"precisions: {sorted(unknown)} (have: fp32, bf16)")
     version = trl_version()
     if version is None:
         msg = f"trl is not installed (pip install -e '.[bench]': trl=={TRL_VERSION})"
@@ -372,12 +372,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precisions", default="fp32,bf16",
                     help="fp32 and/or bf16 (autocast on both sides), each side by side")
     a = ap.parse_args(argv)
+    precisions = [x for x in a.precisions.split(",") if x]
+    if set(precisions) - {"fp32", "bf16"}:
+        ap.error(f"--precisions {a.precisions}: fp32 and/or bf16")
     from benchmarks import isolation
     from benchmarks.run import ensure_model, log
     torch.set_num_threads(int(os.environ.get("ALIGNLOOP_THREADS", isolation.THREADS)))
     out = measure_vs_trl(ensure_model(a.model), [k for k in a.kinds.split(",") if k], a.pairs,
                          a.repeats, a.epochs, a.batch_size, log=log,
-                         precisions=[x for x in a.precisions.split(",") if x])
+                         precisions=precisions)
     print(json.dumps(out, default=str), flush=True)
     return 0
 
