@@ -20,6 +20,8 @@ import yaml
 from dvc.exceptions import ReproductionError
 from dvc.repo import Repo
 
+from tasks.params import SAFE_LOADER
+
 # canonical order among stages that DVC leaves unordered (topology always wins)
 STAGE_ORDER = ("prompts", "prepare_model", "collect_offpolicy", "reference_samples", "rollout",
                "judge", "train_rm", "update", "evaluate", "gate")
@@ -133,7 +135,7 @@ def stage_states(root: Path) -> list[StageState]:
     """up-to-date / changed (a dep, param or command changed) / missing (outputs absent)."""
     refs = ordered_stages(root)
     lock = read_lock(root)
-    params = yaml.load((root / "params.yaml").read_text(), Loader=_SafeLoader) or {}
+    params = yaml.load((root / "params.yaml").read_text(), Loader=SAFE_LOADER) or {}
     out = []
     status: dict[str, Any] = {}
     # the repo ordered_stages just parsed (parked), else a fresh one: one parse of dvc.yaml
@@ -175,7 +177,6 @@ def downstream(root: Path, name: str) -> list[str]:
     return [r.name for r in ordered_stages(root) if r.name in after]
 
 
-_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)   # libyaml: ~8x faster
 
 
 # the last few dvc.lock texts parsed, and their stage entries (a run reads the lock a dozen
@@ -196,7 +197,7 @@ def read_lock(root: Path, text: str | bytes | None = None) -> dict[str, Any]:
         if text not in _LOCKS:
             if len(_LOCKS) >= 4:
                 _LOCKS.pop(next(iter(_LOCKS)))
-            _LOCKS[text] = (yaml.load(text, Loader=_SafeLoader) or {}).get("stages", {})
+            _LOCKS[text] = (yaml.load(text, Loader=SAFE_LOADER) or {}).get("stages", {})
         return copy.deepcopy(_LOCKS[text])
 
 

@@ -364,14 +364,14 @@ class _Builder:
         return tp(**kwargs)
 
 
-_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)   # libyaml: ~8x faster, same marks
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: ~8x faster, same marks
 
 
 def parse_params(text: str, source: str = "<params>") -> Params:
     """Parse and validate a profile; raises ParamsError naming source, line and key."""
     try:
-        node = yaml.compose(text, Loader=_SafeLoader)
-        data = yaml.load(text, Loader=_SafeLoader)
+        node = yaml.compose(text, Loader=SAFE_LOADER)
+        data = yaml.load(text, Loader=SAFE_LOADER)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark else 1
