@@ -121,6 +121,7 @@ def measure(model_dir: Path, kinds: list[str], repeats: int) -> dict[str, Any]:
         result[kind] = {"stock": a, "stage": b,
                         "speedup": round(a["fastest_s"] / b["fastest_s"], 3),
                         "speedup_median": round(a["median_s"] / b["median_s"], 3),
+                        "steps": len(runs["stock"][0]["losses"]),
                         "losses_equal": all(r["losses"] == runs["stock"][0]["losses"]
                                             for side in runs.values() for r in side)}
     return result

@@ -37,3 +37,20 @@ def apply_in_process(base: Path) -> None:
     for k in DROP:
         os.environ.pop(k, None)
     os.environ.update({k: v for k, v in isolated_env(base).items() if k != "PYTHONPATH"})
+
+
+HEAP_CHOICES = ("stage", "stock")
+HEAP_HELP = ("glibc's malloc settings for this process and the ones it starts, every side "
+             "alike: the stage processes' (tasks/heap.py) or glibc's defaults")
+
+
+def restart_with_heap(choice: str) -> None:
+    """Run this program under `choice`'s malloc settings: glibc reads them only when a process
+    starts, so when the environment does not hold them yet, exec this program again with them
+    (the same interpreter and arguments). On another C library: nothing."""
+    import sys
+
+    from tasks import heap
+    tunables = heap.TUNABLES if choice == "stage" else ""
+    if heap.is_glibc() and os.environ.get(heap.ENV) != tunables:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, heap.ENV: tunables})

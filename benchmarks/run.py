@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-rerun", action="store_true",
                     help="also cProfile one cached rerun and include its top functions")
     ap.add_argument("--out", help="also write the result (indented) to this file")
+    ap.add_argument("--heap", choices=isolation.HEAP_CHOICES, default="stage",
+                    help=isolation.HEAP_HELP)
     a = ap.parse_args(argv)
+    if argv is None:
+        isolation.restart_with_heap(a.heap)
     a.argv = list(argv) if argv is not None else sys.argv[1:]
     only = [s for s in a.only.split(",") if s]
     unknown = set(only) - set(SECTIONS)
@@ -194,7 +198,8 @@ def run(a: argparse.Namespace, only: list[str], work: Path) -> int:
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "machine": platform.processor() or platform.machine(),
             "torch": torch.__version__, "python": platform.python_version(),
-            "load_average_at_end": os.getloadavg(), "model": str(model_dir)}
+            "load_average_at_end": os.getloadavg(), "model": str(model_dir),
+            "heap": a.heap, "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
     result = report.assemble(peaks, train, rollout, cached, scaling, meta, errors, vs_trl)
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1, default=str) + "\n")

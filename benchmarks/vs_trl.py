@@ -1,6 +1,7 @@
 """Our DPO and reward-model updates against TRL's DPOTrainer and RewardTrainer, in one run.
 
     python benchmarks/vs_trl.py [--model DIR] [--kinds dpo,rm,ppo] [--pairs 48] [--repeats 3]
+                                [--precisions fp32,bf16] [--heap stage|stock]
 
 TRL is a benchmark-only dependency (`pip install -e '.[bench]'`: trl==1.16.0); without it the
 section reports itself skipped. Both sides get the same model (the converted default model, or
@@ -23,6 +24,11 @@ sides, fp32 and bf16 autocast each measured side by side (`--precisions`):
   both sides. The rest of TRL's constructor (accelerator set-up, a hash of the model's
   weights for its precompute cache) is not counted. Sides alternate (ours, trl, ours, ...)
   `--repeats` times; the fastest and the median of each are reported.
+- heap: glibc's malloc settings are the process's, so both sides alike: by default the ones
+  our stage processes run with (`--heap stage`, tasks/heap.py: freed tensor memory reused, not
+  unmapped and faulted in again), or glibc's defaults (`--heap stock`); the program starts
+  itself again with them when its environment does not hold them (`glibc_tunables` in the
+  result). TRL gains more from them than ours (its full-sequence logits are larger).
 - losses: ours from the per-step loss file `train_dpo` / `train_reward` write when
   ALIGNLOOP_STEP_LOSSES is set, TRL's from its `compute_loss` each step; the largest absolute
   per-step difference over all repeats is reported (both are deterministic on CPU, so repeats
@@ -71,8 +77,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import isolation  # noqa: E402
 from benchmarks.trl_side import trl_dpo, trl_rm  # noqa: E402
-from tasks import lm  # noqa: E402
+from tasks import heap, lm  # noqa: E402
 from tasks.distributed import LOSSES_ENV  # noqa: E402
 from tasks.params import DPOParams, Params, TrainRMParams, load_params  # noqa: E402
 from tasks.prompts import build_prompts, read_lines  # noqa: E402
@@ -343,6 +350,7 @@ def measure_vs_trl(model_dir: Path, kinds: Sequence[str] = ("dpo", "rm", "ppo"),
     pairs = build_pairs(tok, params, n_pairs, seed)
     out: dict[str, Any] = {"trl": version, "pairs": n_pairs, "model": str(model_dir),
                            "threads": torch.get_num_threads(),
+                           "glibc_tunables": os.environ.get(heap.ENV),
                            "response_tokens": RESPONSE_TOKENS,
                            "prompt_tokens_mean": round(sum(len(e.prompt_ids) for e in pairs)
                                                        / len(pairs), 1)}
@@ -371,11 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, help="default: the profile's")
     ap.add_argument("--precisions", default="fp32,bf16",
                     help="fp32 and/or bf16 (autocast on both sides), each side by side")
+    ap.add_argument("--heap", choices=isolation.HEAP_CHOICES, default="stage",
+                    help=isolation.HEAP_HELP)
     a = ap.parse_args(argv)
     precisions = [x for x in a.precisions.split(",") if x]
     if set(precisions) - {"fp32", "bf16"}:
         ap.error(f"--precisions {a.precisions}: fp32 and/or bf16")
-    from benchmarks import isolation
+    if argv is None:
+        isolation.restart_with_heap(a.heap)
     from benchmarks.run import ensure_model, log
     torch.set_num_threads(int(os.environ.get("ALIGNLOOP_THREADS", isolation.THREADS)))
     out = measure_vs_trl(ensure_model(a.model), [k for k in a.kinds.split(",") if k], a.pairs,
