@@ -52,5 +52,5 @@ def restart_with_heap(choice: str) -> None:
 
     from tasks import heap
     tunables = heap.TUNABLES if choice == "stage" else ""
-    if heap.is_glibc() and os.environ.get(heap.ENV) != tunables:
+    if heap.is_glibc() and (os.environ.get(heap.ENV) or "") != tunables:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, heap.ENV: tunables})

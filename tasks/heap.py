@@ -2,15 +2,15 @@
 
 glibc serves every allocation above its mmap threshold (at most 32 MB) with a fresh mapping
 and unmaps it on free, so the next training step's tensor of the same size faults in every
-page again, each one zeroed by the kernel: a DPO step on the default model makes ~1 GB of
+page again, each one zeroed by the kernel. A DPO step on the default model makes ~1 GB of
 such tensors (the (8, ~90, 49152) logits, fp32, their softmax and gradients): ~0.6M minor
-faults and ~2 s of system time for two steps and the reference pass on 16 pairs. With mmap off (`mmap_max=0`: large blocks come from
-the heap, mmap remains glibc's fallback when the heap cannot grow) and the heap's top never
-given back (`trim_threshold`), freed blocks are reused by later allocations. The arithmetic
-is untouched (same kernels, same order: losses equal to the bit). Measured side by side
-(`python -m benchmarks.heap_ab`, fresh processes as stages are): DPO update x1.32, PPO x1.11,
-the RM's two steps x1.00; the price: a process keeps its peak heap until it exits, and the
-peak is higher (DPO 5.1 -> 5.9 GB, PPO 5.1 -> 5.5 GB).
+faults and ~2 s of system time for two steps and the reference pass on 16 pairs. With mmap
+off (`mmap_max=0`: large blocks come from the heap; glibc still maps memory when the heap
+cannot grow) and the heap's top never given back (`trim_threshold`), freed blocks are reused
+by later allocations. The arithmetic is untouched (same kernels, same order: losses equal to
+the bit). Measured side by side (`python -m benchmarks.heap_ab`, fresh processes as stages
+are): DPO update x1.32, PPO x1.11, the RM's two steps x1.00. The price: a process keeps its
+peak heap until it exits, and the peak is higher (DPO 5.1 -> 5.9 GB, PPO 5.1 -> 5.5 GB).
 
 glibc reads its tunables once, when a process starts, so the flow puts them into the
 environment the stage processes (DVC's commands, and what they start) inherit. A
