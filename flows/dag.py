@@ -20,6 +20,7 @@ import yaml
 from dvc.exceptions import ReproductionError
 from dvc.repo import Repo
 
+from tasks import heap
 from tasks.params import SAFE_LOADER
 
 # canonical order among stages that DVC leaves unordered (topology always wins)
@@ -358,7 +359,8 @@ def reproduce(root: Path, name: str, force: bool = False,
         try:
             with contextlib.redirect_stdout(io.StringIO()) if in_run_cache else \
                     contextlib.nullcontext():
-                repo.reproduce(targets=[name], single_item=True, force=force)
+                with heap.for_stage_processes():   # glibc's settings for the stage process
+                    repo.reproduce(targets=[name], single_item=True, force=force)
         except ReproductionError as e:
             # DVC removed the outputs before running; put the last good (locked) ones back
             with contextlib.suppress(Exception):

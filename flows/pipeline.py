@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from dataclasses import asdict
 from itertools import groupby
@@ -22,7 +21,7 @@ from prefect.runtime import flow_run
 
 from flows import crashpoints, dag, heartbeats, registry, signals, targets, tracking
 from flows.workspace import Workspace, git, git_bytes
-from tasks import heap, layout
+from tasks import layout
 from tasks.judges import PAIRWISE_KINDS
 from tasks.pairwise import load_template
 from tasks.params import JudgeParams, load_params
@@ -252,7 +251,6 @@ def alignloop(workspace: str, force: list[str] | None = None) -> list[Summary]:
     """
     forced = set(force or [])
     root = Path(workspace)
-    os.environ.update(heap.stage_environment())           # read by each stage process at start
     dvc_log = logging.getLogger("dvc")
     dvc_log.setLevel(logging.WARNING)                     # our [run]/[ran] lines say it
     empty = logging.getLogger("dvc.output")              # a filter acts where it is logged

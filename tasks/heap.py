@@ -12,15 +12,17 @@ the bit). Measured side by side (`python -m benchmarks.heap_ab`, fresh processes
 are): DPO update x1.32, PPO x1.11, the RM's two steps x1.00. The price: a process keeps its
 peak heap until it exits, and the peak is higher (DPO 5.1 -> 5.9 GB, PPO 5.1 -> 5.5 GB).
 
-glibc reads its tunables once, when a process starts, so the flow puts them into the
-environment the stage processes (DVC's commands, and what they start) inherit. A
-GLIBC_TUNABLES the user set, even empty, wins: `GLIBC_TUNABLES= alignloop run ...` runs the
+glibc reads its tunables once, when a process starts, so `flows/dag.reproduce` puts them into
+the environment while DVC runs a stage's command (the stage process and what it starts
+inherit them; the caller's environment is as before afterwards). A GLIBC_TUNABLES the user
+set, even empty, wins: `GLIBC_TUNABLES= alignloop run ...` runs the
 stages on glibc's defaults. Not glibc (musl, macOS): nothing is set.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 ENV = "GLIBC_TUNABLES"
 TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"  # 1 TiB: never
@@ -40,3 +42,16 @@ def stage_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]
     if ENV in environ or not is_glibc():
         return {}
     return {ENV: TUNABLES}
+
+
+@contextlib.contextmanager
+def for_stage_processes() -> Iterator[None]:
+    """`stage_environment()` in os.environ for the duration (processes started inside inherit
+    it), the environment as it was afterwards."""
+    extra = stage_environment()
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key in extra:
+            os.environ.pop(key, None)

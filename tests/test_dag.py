@@ -3,6 +3,7 @@ lock does not vouch for (the partial products of a failed run would otherwise be
 the iteration commit's `git add -A`), keeps its locked outputs, and a later run succeeds."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,26 @@ def test_a_session_runs_what_changed_and_skips_what_did_not(repo: Path) -> None:
         assert (repo / "out" / "model.bin").read_text() == "v2"
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("users", [None, ""])
+def test_a_stage_process_starts_with_the_heap_settings(
+        repo: Path, users: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage's command, run by DVC through dag.reproduce, sees tasks/heap.py's
+    GLIBC_TUNABLES (glibc reads them when the process starts), unless the user set their own
+    (even empty); this process's environment is as before afterwards."""
+    from tasks import heap
+    if users is None:
+        monkeypatch.delenv(heap.ENV, raising=False)
+    else:
+        monkeypatch.setenv(heap.ENV, users)
+    script = "import os; open('seen.txt', 'w').write(os.environ.get('GLIBC_TUNABLES', '-'))"
+    stage = {"cmd": f'{sys.executable} -c "{script}"', "deps": ["src.txt"], "outs": ["seen.txt"]}
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"probe": stage}}))
+    assert dag.reproduce(repo, "probe").outcome == "ran"
+    seen = (repo / "seen.txt").read_text()
+    if users is None:
+        assert seen == (heap.TUNABLES if heap.is_glibc() else "-")
+        assert heap.ENV not in os.environ
+    else:
+        assert seen == users and os.environ[heap.ENV] == users
