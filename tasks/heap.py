@@ -15,8 +15,8 @@ peak heap until it exits, and the peak is higher (DPO 5.1 -> 5.9 GB, PPO 5.1 -> 
 glibc reads its tunables once, when a process starts, so `flows/dag.reproduce` puts them into
 the environment while DVC runs a stage's command (the stage process and what it starts
 inherit them; the caller's environment is as before afterwards). A GLIBC_TUNABLES the user
-set, even empty, wins: `GLIBC_TUNABLES= alignloop run ...` runs the
-stages on glibc's defaults. Not glibc (musl, macOS): nothing is set.
+set, even empty, wins: `GLIBC_TUNABLES= alignloop run ...` runs the stages on glibc's
+defaults. Not glibc (musl, macOS): nothing is set.
 """
 from __future__ import annotations
 
