@@ -244,11 +244,14 @@ def flop_record(model: torch.nn.Module, seconds: float, seqs: Sequence[tuple[int
             "extra": {**extra, "attention_share": attention_share(model, counts, seqs)}}
 
 
-def bench_rm(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, p: Any,
+def bench_rm(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, epochs: int, p: Any,
              loss_check: bool) -> dict[str, Any]:
+    """The reward model's fine-tuning epochs (`epochs`, not the profile's: the default
+    profile's train_rm runs 0, its probe on frozen features alone, which trains nothing)."""
     from tasks.reward_model import init_reward_model, train_reward
     tok = lm.load_tokenizer(model_dir)
     pairs = pairs_from(samples, n_pairs)
+    p = replace(p, epochs=epochs)
 
     def run(items: Sequence[Any], q: Any) -> tuple[float, dict[str, float], Any]:
         model = init_reward_model(model_dir, torch.Generator().manual_seed(0))
@@ -302,10 +305,10 @@ def bench_ppo(model_dir: Path, samples: Sequence[Rollout], n_rollouts: int, epoc
 
 # 5. all of them, each against the peak measured around it ---------------------------------
 
-SIZES = {"default": {"dpo_pairs": 16, "dpo_epochs": 2, "rm_pairs": 32, "ppo_rollouts": 32,
-                     "ppo_epochs": 2},
-         "quick": {"dpo_pairs": 8, "dpo_epochs": 1, "rm_pairs": 16, "ppo_rollouts": 16,
-                   "ppo_epochs": 1}}
+SIZES = {"default": {"dpo_pairs": 16, "dpo_epochs": 2, "rm_pairs": 32, "rm_epochs": 3,
+                     "ppo_rollouts": 32, "ppo_epochs": 2},
+         "quick": {"dpo_pairs": 8, "dpo_epochs": 1, "rm_pairs": 16, "rm_epochs": 1,
+                   "ppo_rollouts": 16, "ppo_epochs": 1}}
 
 
 def loss_check(fp32: dict[str, Any], bf16: dict[str, Any]) -> dict[str, Any]:
@@ -353,8 +356,8 @@ def measure_train_mfu(model_dir: Path, quick: bool = False,
     benches: dict[str, tuple[Any, Callable[[Any, bool], dict[str, Any]]]] = {
         "dpo": (params.update.dpo, lambda q, c: bench_dpo(
             model_dir, samples, size["dpo_pairs"], size["dpo_epochs"], q, c)),
-        "rm": (params.train_rm, lambda q, c: bench_rm(model_dir, samples, size["rm_pairs"], q,
-                                                      c)),
+        "rm": (params.train_rm, lambda q, c: bench_rm(model_dir, samples, size["rm_pairs"],
+                                                      size["rm_epochs"], q, c)),
         "ppo": (params.update.ppo, lambda q, c: bench_ppo(
             model_dir, samples, size["ppo_rollouts"], size["ppo_epochs"], q, c)),
     }

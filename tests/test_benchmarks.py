@@ -174,3 +174,19 @@ def test_dvc_parses_its_files_with_the_c_yaml_loader() -> None:
     The dependency keeps it C."""
     from ruamel.yaml import YAML
     assert YAML(typ="safe").Parser.__name__ == "CParser", "pip install ruamel.yaml.clib"
+
+
+def test_train_mfu_trains_every_update_on_a_tiny_model(tmp_path) -> None:
+    """benchmarks/train_bench.py (run.py's `train` section) at --quick sizes on a tiny model:
+    each update takes steps and gets an MFU, the reward model too, although the default
+    profile's train_rm fine-tunes for 0 epochs (its probe alone; the bench once timed that
+    nothing and reported MFU 0)."""
+    from benchmarks.train_bench import SIZES, measure_train_mfu
+    from tasks.params import TinyModelParams
+    from tasks.tiny_model import save_tiny
+    save_tiny(TinyModelParams(), 0, tmp_path)
+    out = measure_train_mfu(tmp_path, quick=True, kinds=["rm", "dpo"], log=lambda _: None)
+    assert out["rm"]["fp32"]["steps"] == SIZES["quick"]["rm_epochs"] * 1      # 16 pairs of 32
+    assert out["dpo"]["fp32"]["steps"] >= 1
+    for kind in ("rm", "dpo"):
+        assert out[kind]["fp32"]["seconds"] > 0 and out[kind]["mfu"] > 0, out[kind]
