@@ -5,9 +5,9 @@
 Each run is a fresh process, as a stage is: load the model, build the inputs, call the stage's
 training function once (the first call in a process, the one a stage pays), report its
 seconds, minor page faults, system time and peak RSS. Sides alternate (stock, stage, stock,
-...); stock sets GLIBC_TUNABLES empty, stage sets it as the flow does. Printed: each kind's
-fastest and median seconds per side, their ratio, and whether the per-step losses are equal
-to the bit (they must be: the allocator moves no arithmetic).
+...); stock sets GLIBC_TUNABLES empty, stage sets it as `flows/dag.reproduce` does. Printed:
+each kind's fastest and median seconds per side, their ratio, and whether the per-step losses
+are equal to the bit (they must be: the allocator moves no arithmetic).
 
 Inputs, at the default profile's settings (params/default.yaml): DPO `train_dpo` on 48 pairs
 (benchmarks/vs_trl.build_pairs), the profile's precision, batch and epochs (12 steps);
