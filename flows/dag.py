@@ -178,8 +178,6 @@ def downstream(root: Path, name: str) -> list[str]:
     return [r.name for r in ordered_stages(root) if r.name in after]
 
 
-
-
 # the last few dvc.lock texts parsed, and their stage entries (a run reads the lock a dozen
 # times between writes; parsing it is ~30x a copy of the result)
 _LOCKS: dict[str | bytes, dict[str, Any]] = {}
