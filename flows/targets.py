@@ -106,6 +106,16 @@ def check(m: Mapping[str, float], p: TargetParams, minutes: float | None) -> lis
               drift <= p.max_length_drift),
         Check("eval/n", get("eval/n"), f">= {p.min_n}", get("eval/n") >= p.min_n),
     ]
+    if p.min_rm_accuracy > 0:          # the reward model, where the loop trains one
+        out += [
+            Check("rm/accuracy (held-out pairs)", get("rm/accuracy"), f">= {p.min_rm_accuracy}",
+                  get("rm/accuracy") >= p.min_rm_accuracy),
+            Check("rm/n_heldout", get("rm/n_heldout"), f">= {p.min_rm_heldout_pairs}",
+                  get("rm/n_heldout") >= p.min_rm_heldout_pairs)]
+    if p.min_rm_bon_gold_win_rate > 0:
+        out.append(Check("eval/bon_gold_win_rate (RM Best-of-N by gold)",
+                         get("eval/bon_gold_win_rate"), f">= {p.min_rm_bon_gold_win_rate}",
+                         get("eval/bon_gold_win_rate") >= p.min_rm_bon_gold_win_rate))
     if minutes is not None:
         out.append(Check("iteration minutes", minutes, f"<= {p.max_minutes}",
                          minutes <= p.max_minutes))

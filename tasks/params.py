@@ -247,6 +247,9 @@ class TargetParams:
     max_length_drift: float = 0.3
     min_n: int = 200
     max_minutes: float = 10.0
+    min_rm_accuracy: float = 0.7         # the RM's held-out pairwise accuracy (0: no RM bars)
+    min_rm_heldout_pairs: int = 200      # ... measured on at least this many held-out pairs
+    min_rm_bon_gold_win_rate: float = 0.55   # the RM's Best-of-N on the reference, by gold (0: none)
 
 
 @dataclass(frozen=True)

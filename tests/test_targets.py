@@ -6,7 +6,8 @@ from tasks.params import TargetParams
 
 GOOD = {"eval/gold_win_rate": 0.8, "eval/gold_win_rate_ci_low": 0.74, "eval/win_rate": 0.9,
         "eval/on_topic_rate": 0.6, "eval/ref_on_topic_rate": 0.62, "eval/length_ratio": 1.2,
-        "eval/review_rate": 0.86, "eval/ref_review_rate": 0.9, "eval/n": 200.0}
+        "eval/review_rate": 0.86, "eval/ref_review_rate": 0.9, "eval/n": 200.0,
+        "rm/accuracy": 0.72, "rm/n_heldout": 230.0, "eval/bon_gold_win_rate": 0.6}
 
 
 def test_all_met_then_each_missed() -> None:
@@ -15,7 +16,8 @@ def test_all_met_then_each_missed() -> None:
     for key, bad in (("eval/gold_win_rate", 0.78), ("eval/gold_win_rate_ci_low", 0.7),
                      ("eval/win_rate", 0.8), ("eval/on_topic_rate", 0.5),
                      ("eval/review_rate", 0.84), ("eval/length_ratio", 0.6),
-                     ("eval/n", 100.0)):
+                     ("eval/n", 100.0), ("rm/accuracy", 0.69), ("rm/n_heldout", 199.0),
+                     ("eval/bon_gold_win_rate", 0.54)):
         missed = [c.name for c in check({**GOOD, key: bad}, p, 9.0) if not c.met]
         assert len(missed) == 1, (key, missed)
     assert [c.name for c in check(GOOD, p, 10.5) if not c.met] == ["iteration minutes"]
@@ -24,6 +26,38 @@ def test_all_met_then_each_missed() -> None:
 
 def test_missing_metric_is_missed_not_met() -> None:
     assert not check({}, TargetParams(), None)[0].met
+    rm_only = {k: v for k, v in GOOD.items() if not k.startswith("eval/bon")}
+    assert [c.name for c in check(rm_only, TargetParams(), None) if not c.met] == [
+        "eval/bon_gold_win_rate (RM Best-of-N by gold)"]
+
+
+def test_reward_model_bars_can_be_left_out() -> None:
+    p = TargetParams(min_rm_accuracy=0.0, min_rm_bon_gold_win_rate=0.0)
+    bare = {k: v for k, v in GOOD.items() if not k.startswith(("rm/", "eval/bon"))}
+    assert all(c.met for c in check(bare, p, None))
+    assert not any(c.name.startswith(("rm/", "eval/bon")) for c in check(GOOD, p, None))
+
+
+def test_the_run_prints_each_target_with_its_own_figures(tiny_run) -> None:
+    """The user's path: `alignloop run` ends with the targets block, and the reward model's
+    lines carry the figures the run recorded (not a canned value), met or missed by the
+    profile's bars."""
+    import json
+    ws, out = tiny_run["ws"], tiny_run["first"].stdout
+    block = out[out.index("targets (iteration 2):"):].splitlines()
+    rm = json.loads((ws / "metrics/iter_2/train_rm.json").read_text())
+    ev = json.loads((ws / "metrics/iter_2/evaluate.json").read_text())
+    p = TargetParams()                 # the tiny profile leaves these bars at their defaults
+    for name, value, bar in (("rm/accuracy (held-out pairs)", rm["rm/accuracy"],
+                              p.min_rm_accuracy),
+                             ("rm/n_heldout", rm["rm/n_heldout"], p.min_rm_heldout_pairs),
+                             ("eval/bon_gold_win_rate (RM Best-of-N by gold)",
+                              ev["eval/bon_gold_win_rate"], p.min_rm_bon_gold_win_rate)):
+        tag = "met" if value >= bar else "MISSED"
+        assert f"  [{tag}] {name} = {value:.3f} (>= {bar})" in block, (name, block)
+    lines = [x for x in block[1:] if x.startswith("  [") and not x.startswith("  [untimed]")]
+    met = sum(x.startswith("  [met]") for x in lines)
+    assert block[0] == f"targets (iteration 2): {met} of {len(lines)} met"
 
 
 def test_iteration_minutes_excludes_setup() -> None:
