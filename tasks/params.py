@@ -126,6 +126,8 @@ class TrainRMParams:
     precision: Literal["auto", "fp32", "bf16"] = "fp32"  # bf16: autocast matmuls (training,
                                     # scoring); auto: bf16 where the CPU has native bf16 matmuls
     num_layers: int = 0             # keep the backbone's first N blocks (0 = all)
+    num_layers_grid: tuple[int, ...] = ()   # probe alone: choose N from these with the L2, by
+                                    # the same CV (empty, or < 5 prompts: num_layers as is)
     pooling: Literal["last", "mean"] = "last"     # the head reads the last token, or the mean
     head_init: Literal["random", "probe"] = "random"  # probe: fitted on frozen features first
     probe_l2: float = 0.1           # probe: L2 strength (on standardised features)
@@ -557,6 +559,9 @@ def _check_dpo_and_rm(p: Params, b: _Builder) -> None:
     for key in ("audit_top_n", "audit_random_n", "num_layers"):
         if getattr(rm, key) < 0:
             b.fail(("train_rm", key), "must be >= 0")
+    if any(n < 1 for n in rm.num_layers_grid):
+        b.fail(("train_rm", "num_layers_grid"), f"every entry must be >= 1, got "
+               f"{list(rm.num_layers_grid)}")
     for path, n in ((("train_rm", "processes"), rm.processes),
                     (("update", "processes"), p.update.processes)):
         if n < 1:

@@ -20,10 +20,10 @@ from tasks.distributed import SINGLE, Group
 from tasks.jsonl import DataError
 from tasks.params import Params
 from tasks.records import PreferencePair, parse_pair
-from tasks.reward_model import (EncodedPair, FrozenFeatures, RewardEnsemble, encode_pairs,
-                                ensemble_metrics, fit_probe_head, heads, heldout_split,
-                                init_reward_model, pair_margins, save_reward_model, save_stats,
-                                train_reward)
+from tasks.reward_model import (PROBE_FOLDS, EncodedPair, FrozenFeatures, RewardEnsemble,
+                                choose_depth, depth, encode_pairs, ensemble_metrics,
+                                fit_probe_head, heads, heldout_split, init_reward_model,
+                                pair_margins, save_reward_model, save_stats, train_reward)
 
 
 def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_id: int,
@@ -35,14 +35,21 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
     K = 1, on its own bootstrap resample of them at K > 1 (so members differ). On several
     ranks every rank fits the probe whole (closed form: nothing to split); the fine-tuning
     epochs are sharded. Without fine-tuning (epochs 0) the backbone stays as loaded, and its
-    features (shared by all members) come back for scoring."""
+    features (shared by all members) come back for scoring; with `num_layers_grid` too, its
+    depth is chosen first (`choose_depth`) and every member keeps that many blocks."""
     rp = p.train_rm
     members, runs = [], []
-    cache = None
+    cache, chosen, num_layers = None, {}, rp.num_layers
+    choose = (rp.num_layers_grid and rp.epochs == 0 and rp.head_init == "probe"
+              and len({e.prompt_ids for e in train}) >= PROBE_FOLDS)
     for i in range(rp.ensemble):
         model = init_reward_model(backbone, stage.generator(p.seed, 2, it, i, 0),   # head init
-                                  rp.num_layers, device)
-        if rp.epochs == 0 and cache is None:
+                                  max(rp.num_layers_grid) if choose and i == 0 else num_layers,
+                                  device)
+        if choose and i == 0:               # the depth with the probe's L2, by CV (truncates)
+            cache, chosen = choose_depth(model, train, rp, pad_id)
+            num_layers = int(chosen["num_layers"])
+        elif rp.epochs == 0 and cache is None:
             cache = FrozenFeatures(model, pad_id, rp.pooling, rp.precision)
         run: dict[str, float] = {}
         if rp.head_init == "probe" and train:
@@ -55,7 +62,10 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
                                     stage.generator(p.seed, 2, it, i, 1), group))   # data order
         runs.append(run)
         members.append(model)
-    return members, {f"rm/{k}": sum(r[k] for r in runs) / len(runs) for k in runs[0]}, cache
+    metrics = {f"rm/{k}": sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+    metrics["rm/num_layers"] = float(depth(members[0]))
+    metrics.update({f"rm/{k}": v for k, v in chosen.items() if k != "num_layers"})
+    return members, metrics, cache
 
 
 def read_pool(root: Path, it: int) -> tuple[list[PreferencePair], dict[str, audit.AuditLabel]]:

@@ -428,3 +428,73 @@ def test_probe_head_reports_the_chosen_l2_and_falls_back_below_five_prompts(tmp_
     few = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
     m_few = fit_probe_head(few, pool[:6 * 4], grid, pad_id=0)         # 4 prompts < 5 folds
     assert m_few["probe_l2"] == 0.1 and "probe_cv_accuracy" not in m_few
+
+
+def _word_pairs(n_prompts: int, seed: int) -> list:
+    """4 pairs per prompt: token 7 preferred over token 9 at one place of a shared body."""
+    from tasks.reward_model import EncodedPair
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_prompts):
+        prompt = tuple(torch.randint(20, 60, (4,), generator=g).tolist())
+        for _ in range(4):
+            body = torch.randint(20, 60, (6,), generator=g).tolist()
+            at = int(torch.randint(0, 6, (1,), generator=g))
+            good, bad = list(body), list(body)
+            good[at], bad[at] = 7, 9
+            out.append(EncodedPair(prompt, tuple(good), tuple(bad)))
+    return out
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_features_at_every_depth_equal_a_truncated_models(tmp_path: Path, pooling: str) -> None:
+    """One forward pass through all blocks gives, for each depth d, exactly the features a
+    model cut to d blocks computes (its final norm included)."""
+    from tasks.params import TinyModelParams
+    from tasks.reward_model import features, features_at_depths, init_reward_model
+    from tasks.tiny_model import save_tiny
+    save_tiny(TinyModelParams(num_layers=4), 0, tmp_path)
+    prompts, responses = [(21, 22, 23), (21, 22, 23), (30,)], [(40, 41), (42,), (50, 51, 52)]
+    with torch.no_grad():
+        every = features_at_depths(init_reward_model(tmp_path), prompts, responses, 0, pooling,
+                                   [1, 2, 4])                                     # (B, D, H)
+        for j, d in enumerate([1, 2, 4]):
+            cut = init_reward_model(tmp_path, num_layers=d)
+            assert torch.allclose(every[:, j], features(cut, prompts, responses, 0, pooling),
+                                  atol=1e-6), d
+
+
+def test_the_probes_depth_is_chosen_by_cross_validation_and_kept(tmp_path: Path) -> None:
+    """choose_depth picks the depth whose probe (at its best L2) has the lowest left-out
+    log-loss over the training prompts, computed independently here on models cut to each
+    depth; it cuts the model to it, and the probe fitted through its cache is bit for bit the
+    probe fitted on a fresh model of that depth. A grid deeper than the backbone is one line."""
+    from tasks.params import TinyModelParams, TrainRMParams
+    from tasks.reward_model import (PROBE_FOLDS, FrozenFeatures, choose_depth, depth,
+                                    fit_probe_head, init_reward_model, probe_cv)
+    from tasks.tiny_model import save_tiny
+    save_tiny(TinyModelParams(num_layers=3), 0, tmp_path)
+    train = _word_pairs(10, 5)
+    p = TrainRMParams(pooling="mean", head_init="probe", epochs=0, probe_l2_grid=(0.1, 1.0),
+                      num_layers_grid=(1, 2, 3))
+    expected = {}
+    for d in (1, 2, 3):
+        cache = FrozenFeatures(init_reward_model(tmp_path, num_layers=d), 0, "mean", "fp32")
+        diff = (cache.get([(e.prompt_ids, e.chosen_ids) for e in train])
+                - cache.get([(e.prompt_ids, e.rejected_ids) for e in train]))
+        expected[d] = min(probe_cv(diff, [e.prompt_ids for e in train], (0.1, 1.0),
+                                   PROBE_FOLDS)[0].values())
+    model = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
+    cache, m = choose_depth(model, train, p, 0)
+    best = min(expected, key=lambda d: (expected[d], d))
+    assert m["num_layers"] == best and depth(model) == best and cache.model is model
+    assert m["depth_cv_loss"] == pytest.approx(expected[best], abs=1e-6)
+    fit_probe_head(model, train, p, 0, cache=cache)
+    fresh = init_reward_model(tmp_path, torch.Generator().manual_seed(0), best)
+    fit_probe_head(fresh, train, p, 0)
+    assert torch.allclose(model.score.weight, fresh.score.weight, atol=1e-6)
+    with pytest.raises(DataError, match=r"num_layers_grid: 5 blocks asked for, the backbone "
+                                        r"has 3"):
+        choose_depth(init_reward_model(tmp_path), train,
+                     TrainRMParams(pooling="mean", head_init="probe", epochs=0,
+                                   num_layers_grid=(2, 5)), 0)

@@ -291,6 +291,33 @@ def test_reward_model_training_changed_head_and_backbone(ws: Workspace) -> None:
     assert stats["std"] > 0
 
 
+def test_train_rm_chooses_the_probes_depth_and_saves_that_model(ws: Workspace,
+                                                                 tmp_path: Path) -> None:
+    """The probe alone with `num_layers_grid`: the stage keeps the depth its cross-validation
+    chose, the saved reward model (loaded as evaluate and PPO load it) has that many blocks,
+    and scoring the held-out pairs through it gives the accuracy the stage reported."""
+    again = copy_workspace(ws, tmp_path / "ws")
+    shutil.rmtree(again.path(layout.reward_model(1)))
+    import yaml
+    path = again.path(layout.PARAMS_FILE)          # the tiny profile leaves these at defaults
+    data = yaml.safe_load(path.read_text())
+    data["train_rm"].update(epochs=0, head_init="probe", pooling="mean", num_layers_grid=[1, 2],
+                            probe_l2_grid=[0.1, 1.0])
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    run(train_rm.main, again.root, 1)
+    m = again.metrics(layout.metrics(1, "train_rm"))
+    assert m["rm/num_layers"] in (1.0, 2.0) and m["rm/depth_cv_loss"] > 0
+    saved = reward_model.load_reward_model(again.path(layout.reward_model(1)))
+    assert [reward_model.depth(x) for x in saved.members] == [int(m["rm/num_layers"])]
+    p = load_params(again.path(layout.PARAMS_FILE))
+    pool = [parse_pair(r, "pool", 0, "x") for r in again.records(layout.pairs_pool(1))]
+    _, held = reward_model.heldout_split(pool, p.train_rm.heldout_fraction)
+    tok = lm.load_tokenizer(again.path(layout.policy(0)))
+    enc = reward_model.encode_pairs(tok, held, p.model.max_prompt_tokens, p.train_rm.max_length)
+    margins = reward_model.pair_margins(saved, enc, tok.pad_token_id)
+    assert float((margins > 0).float().mean()) == pytest.approx(m["rm/accuracy"], abs=1e-6)
+
+
 def test_train_rm_is_reproducible_whatever_the_global_rng(ws: Workspace, tmp_path: Path) -> None:
     again = copy_workspace(ws, tmp_path / "ws")
     shutil.rmtree(again.path(layout.reward_model(1)))
