@@ -190,3 +190,36 @@ def test_train_mfu_trains_every_update_on_a_tiny_model(tmp_path) -> None:
     assert out["dpo"]["fp32"]["steps"] >= 1
     for kind in ("rm", "dpo"):
         assert out[kind]["fp32"]["seconds"] > 0 and out[kind]["mfu"] > 0, out[kind]
+
+
+def test_rm_depth_reports_every_depth_and_picks_as_train_rm_would(tiny_run) -> None:
+    """benchmarks/rm_depth.py on the shared tiny run's pool: a row per depth, and its CV pick is
+    the depth `train_rm`'s own choice (`choose_depth`) takes on the same training pairs."""
+    import subprocess
+
+    import torch
+
+    from tasks import jsonl, layout, lm
+    from tasks.params import load_params
+    from tasks.records import parse_pair
+    from tasks.reward_model import (choose_depth, encode_pairs, heldout_split,
+                                    init_reward_model)
+    ws = tiny_run["ws"]
+    proc = subprocess.run([sys.executable, "benchmarks/rm_depth.py", "--workspace", str(ws),
+                           "--depths", "1-2"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(out["depths"]) == {"1", "2"} and out["heldout_pairs"] > 0
+    assert all(0.0 <= r["heldout_accuracy"] <= 1.0 for r in out["depths"].values())
+    p = load_params(ws / layout.PARAMS_FILE)
+    path = ws / layout.pairs_pool(2)
+    pool = [parse_pair(r, str(path), n, "x") for n, r in jsonl.read(path)]
+    train, _ = heldout_split(pool, p.train_rm.heldout_fraction)
+    tok = lm.load_tokenizer(ws / layout.policy(0))
+    enc = encode_pairs(tok, train, p.model.max_prompt_tokens, p.train_rm.max_length)
+    from dataclasses import replace
+    rp = replace(p.train_rm, num_layers_grid=(1, 2))
+    _, chosen = choose_depth(init_reward_model(ws / layout.policy(0), torch.Generator()),
+                             enc, rp, tok.pad_token_id)
+    assert out["cv_pick"] == int(chosen["num_layers"])

@@ -1,0 +1,78 @@
+"""The reward model's probe at every backbone depth, on one workspace's own pair pool: which
+blocks' mean states read the judge's preference best, and what `num_layers_grid`'s
+cross-validation would pick among them.
+
+    python benchmarks/rm_depth.py --workspace WS [--it 2] [--depths 1-30 | 12,16,20,24]
+
+Reads `data/iter_<it>/pairs_pool.jsonl` (what `train_rm@<it>` trains on, audit verdicts not
+applied), splits it by prompt as `train_rm` does, computes every depth's features in one pass
+through the initial model (`features_at_depths`) and prints per depth: the L2 the CV picks, the
+CV log-loss and accuracy over the training prompts, and the held-out accuracy (read only here,
+never by the choice). JSON on the last line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from tasks import jsonl, layout, lm
+from tasks.params import load_params
+from tasks.records import parse_pair
+from tasks.reward_model import (PROBE_FOLDS, _probe_fit, encode_pairs, features_at_depths,
+                                heldout_split, init_reward_model, probe_cv)
+
+
+def depths_arg(text: str) -> list[int]:
+    lo, _, hi = text.partition("-")
+    return list(range(int(lo), int(hi) + 1)) if hi else [int(x) for x in text.split(",")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--workspace", type=Path, required=True)
+    ap.add_argument("--it", type=int, default=2)
+    ap.add_argument("--depths", type=depths_arg, default=depths_arg("1-30"))
+    args = ap.parse_args()
+    ws = args.workspace
+    p = load_params(str(ws / layout.PARAMS_FILE))
+    rp = p.train_rm
+    path = str(ws / layout.pairs_pool(args.it))
+    pool = [parse_pair(rec, path, n, "unknown") for n, rec in jsonl.read(path)]
+    tok = lm.load_tokenizer(ws / layout.policy(0))
+    train, held = (encode_pairs(tok, x, p.model.max_prompt_tokens, rp.max_length)
+                   for x in heldout_split(pool, rp.heldout_fraction))
+    model = init_reward_model(ws / layout.policy(0)).eval()
+    keys = list(dict.fromkeys((e.prompt_ids, s) for e in train + held
+                              for s in (e.chosen_ids, e.rejected_ids)))
+    t0 = time.perf_counter()
+    with torch.no_grad(), lm.autocast(rp.precision, "cpu"):
+        feats = torch.cat([features_at_depths(model, [k[0] for k in keys[s: s + 32]],
+                                              [k[1] for k in keys[s: s + 32]],
+                                              tok.pad_token_id, rp.pooling, args.depths).float()
+                           for s in range(0, len(keys), 32)])                  # (U, D, H)
+    index = {k: i for i, k in enumerate(keys)}
+
+    def diff(data: list, j: int) -> torch.Tensor:
+        return torch.stack([feats[index[(e.prompt_ids, e.chosen_ids)], j]
+                            - feats[index[(e.prompt_ids, e.rejected_ids)], j] for e in data])
+    rows = {}
+    for j, d in enumerate(args.depths):
+        losses, acc = probe_cv(diff(train, j), [e.prompt_ids for e in train],
+                               rp.probe_l2_grid or (rp.probe_l2,), PROBE_FOLDS)
+        l2 = min(losses, key=lambda x: (losses[x], -x))
+        held_acc = float((diff(held, j) @ _probe_fit(diff(train, j), l2) > 0).float().mean())
+        rows[d] = {"l2": l2, "cv_loss": round(losses[l2], 4), "cv_accuracy": round(acc[l2], 4),
+                   "heldout_accuracy": round(held_acc, 4)}
+        print(f"{d:>3} blocks: {rows[d]}", flush=True)
+    pick = min(rows, key=lambda d: (rows[d]["cv_loss"], d))
+    print(json.dumps({"train_pairs": len(train), "heldout_pairs": len(held),
+                      "features_s": round(time.perf_counter() - t0, 1), "cv_pick": pick,
+                      "depths": rows}))
+
+
+if __name__ == "__main__":
+    main()
