@@ -40,7 +40,7 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
     rp = p.train_rm
     members, runs = [], []
     cache, chosen, num_layers = None, {}, rp.num_layers
-    choose = (rp.num_layers_grid and rp.epochs == 0 and rp.head_init == "probe"
+    choose = (bool(rp.num_layers_grid) and rp.epochs == 0 and rp.head_init == "probe"
               and len({e.prompt_ids for e in train}) >= PROBE_FOLDS)
     for i in range(rp.ensemble):
         model = init_reward_model(backbone, stage.generator(p.seed, 2, it, i, 0),   # head init
