@@ -266,29 +266,35 @@ def test_prompt_batches_keep_a_prompts_pairs_together() -> None:
     assert again == batches and prompt_batches(data, 6, torch.Generator().manual_seed(2)) != batches
 
 
+def _word_pairs(n_prompts: int, per_prompt: int, g: torch.Generator) -> list:
+    """`per_prompt` pairs per prompt: token 7 preferred over token 9 at one place of a body."""
+    from tasks.reward_model import EncodedPair
+    out = []
+    for _ in range(n_prompts):
+        prompt = tuple(torch.randint(20, 60, (4,), generator=g).tolist())
+        for _ in range(per_prompt):
+            body = torch.randint(20, 60, (6,), generator=g).tolist()
+            at = int(torch.randint(0, 6, (1,), generator=g))
+            good, bad = list(body), list(body)
+            good[at], bad[at] = 7, 9
+            out.append(EncodedPair(prompt, tuple(good), tuple(bad)))
+    return out
+
+
 def test_mean_pooling_and_the_probe_head_learn_a_word_preference(tmp_path: Path) -> None:
     """pooling: mean reads the average of the response's states; head_init: probe fits the head
     on frozen features so that held-out pairs with the same preference (token 7 good, token 9
     bad, anywhere in the response) are ranked right, with no gradient step on the backbone."""
     from tasks.params import TinyModelParams, TrainRMParams
-    from tasks.reward_model import (EncodedPair, fit_probe_head, init_reward_model,
-                                    pair_margins)
+    from tasks.reward_model import fit_probe_head, init_reward_model, pair_margins
     from tasks.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     model = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
     before = {k: v.clone() for k, v in model.model.state_dict().items()}
     g = torch.Generator().manual_seed(3)
 
-    def pairs(n: int) -> list[EncodedPair]:
-        out = []
-        for _ in range(n):
-            prompt = tuple(torch.randint(20, 60, (4,), generator=g).tolist())
-            body = torch.randint(20, 60, (6,), generator=g).tolist()
-            at = int(torch.randint(0, 6, (1,), generator=g))
-            good, bad = list(body), list(body)
-            good[at], bad[at] = 7, 9
-            out.append(EncodedPair(prompt, tuple(good), tuple(bad)))
-        return out
+    def pairs(n: int) -> list:
+        return _word_pairs(n, 1, g)
     p = TrainRMParams(pooling="mean", head_init="probe", epochs=0, probe_l2=0.1)
     m = fit_probe_head(model, pairs(64), p, pad_id=0)
     assert m["probe_train_accuracy"] > 0.9
@@ -430,22 +436,6 @@ def test_probe_head_reports_the_chosen_l2_and_falls_back_below_five_prompts(tmp_
     assert m_few["probe_l2"] == 0.1 and "probe_cv_accuracy" not in m_few
 
 
-def _word_pairs(n_prompts: int, seed: int) -> list:
-    """4 pairs per prompt: token 7 preferred over token 9 at one place of a shared body."""
-    from tasks.reward_model import EncodedPair
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n_prompts):
-        prompt = tuple(torch.randint(20, 60, (4,), generator=g).tolist())
-        for _ in range(4):
-            body = torch.randint(20, 60, (6,), generator=g).tolist()
-            at = int(torch.randint(0, 6, (1,), generator=g))
-            good, bad = list(body), list(body)
-            good[at], bad[at] = 7, 9
-            out.append(EncodedPair(prompt, tuple(good), tuple(bad)))
-    return out
-
-
 @pytest.mark.parametrize("pooling", ["mean", "last"])
 def test_features_at_every_depth_equal_a_truncated_models(tmp_path: Path, pooling: str) -> None:
     """One forward pass through all blocks gives, for each depth d, exactly the features a
@@ -474,7 +464,7 @@ def test_the_probes_depth_is_chosen_by_cross_validation_and_kept(tmp_path: Path)
                                     fit_probe_head, init_reward_model, probe_cv)
     from tasks.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=3), 0, tmp_path)
-    train = _word_pairs(10, 5)
+    train = _word_pairs(10, 4, torch.Generator().manual_seed(5))
     p = TrainRMParams(pooling="mean", head_init="probe", epochs=0, probe_l2_grid=(0.1, 1.0),
                       num_layers_grid=(1, 2, 3))
     expected = {}
