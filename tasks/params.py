@@ -251,7 +251,7 @@ class TargetParams:
     max_minutes: float = 10.0
     min_rm_accuracy: float = 0.7         # the RM's held-out pairwise accuracy (0: no RM bars)
     min_rm_heldout_pairs: int = 200      # ... measured on at least this many held-out pairs
-    min_rm_bon_gold_win_rate: float = 0.55   # the RM's Best-of-N on the reference, by gold (0: none)
+    min_rm_bon_gold_win_rate: float = 0.55   # the RM's Best-of-N rerank, by gold (0: no bar)
 
 
 @dataclass(frozen=True)

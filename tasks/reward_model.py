@@ -441,8 +441,8 @@ def choose_depth(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
     """How many backbone blocks the probe reads (`num_layers_grid`), chosen with its L2 by the
     same cross-validation over the training prompts (lowest left-out log-loss; ties go to the
     shallower, cheaper model): one forward pass through max(grid) blocks gives every depth's
-    features. On seed 0 / 1's second iterations the 12th block's probe held out 0.734 / 0.694,
-    the 19th-21st blocks' 0.71-0.76 (README: the results table). `model` must hold at least
+    features. On seed 0 / 1's second iterations the 12th block's probe held out 0.734 / 0.692,
+    the 14th-23rd blocks' 0.71-0.76 (`benchmarks/rm_depth.py`). `model` must hold at least
     max(grid) blocks; it is truncated to the choice, and the FrozenFeatures of it that come
     back already hold the training responses' features (the same batches `fit_probe_head`
     would compute them in)."""
@@ -458,7 +458,7 @@ def choose_depth(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
             model, [k[0] for k in keys[s: s + batch_size]], [k[1] for k in keys[s: s + batch_size]],
             pad_id, p.pooling, grid).float() for s in range(0, len(keys), batch_size)])  # (U, D, H)
     index = {k: i for i, k in enumerate(keys)}
-    pick = torch.tensor([[index[(e.prompt_ids, e.chosen_ids)], index[(e.prompt_ids, e.rejected_ids)]]
+    pick = torch.tensor([[index[(e.prompt_ids, side)] for side in (e.chosen_ids, e.rejected_ids)]
                          for e in train], device=feats.device)                           # (N, 2)
     prompts = [e.prompt_ids for e in train]
     l2s = p.probe_l2_grid or (p.probe_l2,)
