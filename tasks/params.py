@@ -127,7 +127,7 @@ class TrainRMParams:
                                     # scoring); auto: bf16 where the CPU has native bf16 matmuls
     num_layers: int = 0             # keep the backbone's first N blocks (0 = all)
     num_layers_grid: tuple[int, ...] = ()   # probe alone: choose N from these with the L2, by
-                                    # the same CV (empty, or < 5 prompts: num_layers as is)
+                                    # the same CV (no key, or < 5 prompts: num_layers as is)
     pooling: Literal["last", "mean"] = "last"     # the head reads the last token, or the mean
     head_init: Literal["random", "probe"] = "random"  # probe: fitted on frozen features first
     probe_l2: float = 0.1           # probe: L2 strength (on standardised features)
