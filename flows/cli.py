@@ -92,9 +92,11 @@ def _print_targets(root: Path, stages: list[str], ran: set[str]) -> None:
     if untimed:
         print(f"  [untimed] iteration minutes: no recorded time for {', '.join(untimed)} "
               "(outputs restored, not computed here)")
-    elif loop:
-        print(f"  (minutes: each loop stage's time when it computed its outputs; this run "
-              f"computed {len([n for n in loop if n in ran])} of {len(loop)})")
+    elif minutes:
+        each = ", ".join(f"{k}: {minutes[k]:.2f}" for k in sorted(minutes, key=int))
+        print(f"  (minutes per iteration {each}; all {sum(minutes.values()):.2f}: each loop "
+              f"stage's time when it computed its outputs; this run computed "
+              f"{len([n for n in loop if n in ran])} of {len(loop)})")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
