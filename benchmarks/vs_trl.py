@@ -51,11 +51,11 @@ Settings that differ from the default profile, and why (they are the same on bot
 
 PPO: TRL 1.16 ships no PPO trainer (the wheel has no ppo module): it moved to trl.experimental
 in v1.10 (huggingface/trl#4482), the old import went in #5051 and the experimental trainer in
-#7020. Its on-policy trainers
-(RLOO, GRPO) generate their own completions inside `train()` and have neither a value head nor
-GAE, so they cannot be made to do our PPO update's work from fixed rollouts; ours is reported
-alone (`ppo_section`: rollouts/s, tokens/s and GFLOP/s in benchmarks/train_bench.py's FLOP
-convention).
+#7020, after 1.12. So the `ppo` kind runs benchmarks/trl_ppo.py: our PPO update against TRL
+1.12.0's `trl.experimental.ppo.PPOTrainer` on the same rollouts (n_pairs // 8 prompts x 8
+responses), each side in its own process (that TRL installed apart, in benchmarks/.cache; its
+docstring states what differs). Where that TRL cannot be installed, ours is reported alone
+(`ppo_section`: rollouts/s, tokens/s and GFLOP/s in benchmarks/train_bench.py's convention).
 """
 from __future__ import annotations
 
@@ -110,18 +110,39 @@ def build_pairs(tok: Any, params: Params, n: int, seed: int = 0,
     p = params.prompts
     subjects, templates = read_lines(ROOT / p.subjects_file), read_lines(ROOT / p.templates_file)
     train, _ = build_prompts(subjects, templates, replace(p, n_train=n, n_heldout=0), seed)
-    rows = [json.loads(line) for line in SENTENCES.read_text().splitlines() if line.strip()]
-    reviews = [r["text"] for r in rows if r["label"] == "review"]
-    letters = [r["text"] for r in rows if r["label"] != "review"]
+    reviews, letters = _sentences()
     rng = random.Random(seed)
-
-    def response(pool: list[str]) -> tuple[int, ...]:
-        text = " ".join(rng.sample(pool, 4))
-        return tuple(tok(text, add_special_tokens=False)["input_ids"][:response_tokens])
-
     return [EncodedPair(tuple(lm.render_prompt(tok, parse_prompt(rec, "prompt"),
                                                params.model.max_prompt_tokens)),
-                        response(reviews), response(letters)) for rec in train[:n]]
+                        _response(tok, reviews, rng, response_tokens),
+                        _response(tok, letters, rng, response_tokens)) for rec in train[:n]]
+
+
+def _sentences() -> tuple[list[str], list[str]]:
+    """The hand-written review and correspondence sentences."""
+    rows = [json.loads(line) for line in SENTENCES.read_text().splitlines() if line.strip()]
+    return ([r["text"] for r in rows if r["label"] == "review"],
+            [r["text"] for r in rows if r["label"] != "review"])
+
+
+def _response(tok: Any, pool: list[str], rng: random.Random, n_tokens: int) -> tuple[int, ...]:
+    """Four sentences of `pool` drawn with `rng`, joined, cut to n_tokens ids (no EOS)."""
+    text = " ".join(rng.sample(pool, 4))
+    return tuple(tok(text, add_special_tokens=False)["input_ids"][:n_tokens])
+
+
+def review_responses(tok: Any, n: int, seed: int, n_tokens: int = RESPONSE_TOKENS
+                     ) -> list[tuple[int, ...]]:
+    """n distinct responses of review sentences (`_response`) of exactly n_tokens ids, drawn
+    with `seed` (shorter draws skipped)."""
+    reviews, _ = _sentences()
+    rng, out, seen = random.Random(seed), [], set()
+    while len(out) < n:
+        r = _response(tok, reviews, rng, n_tokens)
+        if len(r) == n_tokens and r not in seen:
+            seen.add(r)
+            out.append(r)
+    return out
 
 
 def dpo_orders(n: int, epochs: int, seed: int) -> list[list[int]]:
@@ -355,8 +376,13 @@ def measure_vs_trl(model_dir: Path, kinds: Sequence[str] = ("dpo", "rm", "ppo"),
                            "prompt_tokens_mean": round(sum(len(e.prompt_ids) for e in pairs)
                                                        / len(pairs), 1)}
     for kind in kinds:
-        if kind == "ppo":
-            out["ppo"] = ppo_section(model_dir, params, pairs, epochs, log)
+        if kind == "ppo":          # TRL 1.12's PPO trainer, in its own processes
+            from benchmarks.trl_ppo import PPO_K, measure_vs_trl_ppo
+            out["ppo"] = measure_vs_trl_ppo(model_dir, max(1, n_pairs // PPO_K), PPO_K, repeats,
+                                            epochs, seed, log)
+            if "skipped" in out["ppo"]:
+                out["ppo"] = {**ppo_section(model_dir, params, pairs, epochs, log),
+                              "trl": f"none: {out['ppo']['skipped']}"}
             continue
         for precision in precisions:
             key = kind if precision == "fp32" else f"{kind}_{precision}"

@@ -33,7 +33,7 @@ def _fake(**over: object) -> dict:
             "rollout": {"rollout_speedup": 3.4, "rollout_speedup_worst_pass": 3.1,
                         "logprob_max_abs_err": 2e-4},
             "cached": {"cached_rerun_s": 0.9}, "scaling": rows, "meta": {"quick": True},
-            "vs_trl": {"dpo": {"ratio": 2.1}, "rm": {"ratio": 1.4}, "ppo": {"ours": {}},
+            "vs_trl": {"dpo": {"ratio": 2.1}, "rm": {"ratio": 1.4}, "ppo": {"ratio": 1.6},
                        "dpo_bf16": {"ratio": 2.4,
                                     "bf16_deviation": {"within_tolerance": True}},
                        "rm_bf16": {"ratio": 1.9,
@@ -49,7 +49,8 @@ def test_all_targets_on_fake_figures():
         "rollout_speedup": True, "rollout_speedup_every_pass": True,
         "logprob_max_abs_err": True, "cached_rerun_s": True, "vs_trl_dpo": True,
         "vs_trl_rm": False, "vs_trl_dpo_bf16": True, "vs_trl_dpo_bf16_loss": True,
-        "vs_trl_rm_bf16": False, "vs_trl_rm_bf16_loss": False, "scaling_linear": True}
+        "vs_trl_rm_bf16": False, "vs_trl_rm_bf16_loss": False, "vs_trl_ppo": True,
+        "scaling_linear": True}
     assert out["scaling_ratios"] == {"t2/t1": 1.7, "t4/t1": 3.9}
     assert out["train_mfu_summary"]["dpo"]["precision"] == "bf16"
     assert out["train_mfu_summary"]["ppo"]["bf16_loss_within_tolerance"] is False
@@ -65,6 +66,10 @@ def test_misses_and_skipped_sections():
     assert met["rollout_speedup_every_pass"] is None      # no per-pass figures: unknown
     assert met["vs_trl_dpo"] is None and met["vs_trl_rm"] is None
     assert met["vs_trl_dpo_bf16"] is None and met["vs_trl_rm_bf16_loss"] is None
+    assert met["vs_trl_ppo"] is None
+    alone = _fake(vs_trl={"ppo": {"ours": {"rollouts_per_s": 1.4}, "trl": "none: ..."}})
+    assert alone["targets_met"]["vs_trl_ppo"] is None          # ours alone: no ratio
+    assert _fake(vs_trl={"ppo": {"ratio": 1.49}})["targets_met"]["vs_trl_ppo"] is False
     # the fastest pass meets the bar, one pass does not: every-pass is missed
     one_slow = _fake(rollout={"rollout_speedup": 3.2, "rollout_speedup_worst_pass": 2.8,
                               "logprob_max_abs_err": 1e-4})["targets_met"]
@@ -145,6 +150,27 @@ def test_vs_trl_losses_equal_trls_on_a_tiny_model(tmp_path) -> None:
         dev = b["bf16_deviation"]
         assert 0 < dev["ours_loss_vs_fp32_max_abs_diff"] < 1e-2 and dev["within_tolerance"]
         assert 0 < dev["trl_loss_vs_fp32_max_abs_diff"] < 1e-2
+
+
+def test_vs_trl_ppo_runs_trls_ppo_trainer_on_our_rollouts(tmp_path) -> None:
+    """benchmarks/trl_ppo.py on a tiny random model: TRL 1.12's PPOTrainer (installed apart,
+    in its own process) and our update, each in a fresh process, on the same 8 rollouts of a
+    policy moved off the reference: both take the same number of steps and see the same
+    rollouts (the KL to the reference of the stored rollouts and the mean score agree), and
+    both times are real."""
+    from benchmarks.trl_ppo import measure_vs_trl_ppo
+    from tasks.params import TinyModelParams
+    from tasks.tiny_model import save_tiny
+    save_tiny(TinyModelParams(), 0, tmp_path / "model")
+    r = measure_vs_trl_ppo(tmp_path / "model", n_prompts=1, k=8, repeats=1,
+                           log=lambda _: None)
+    assert "skipped" not in r, r              # pip reaches the registry here, as in CI
+    ours, trl = r["ours"], r["trl_side"]
+    assert r["trl"] == "1.12.0" and ours["steps"] == trl["steps"] == 1
+    assert abs(ours["kl_per_rollout"]) > 1e-4          # the policy sits off the reference
+    assert r["kl_per_rollout_abs_diff"] < 1e-4 * max(1.0, abs(ours["kl_per_rollout"]))
+    assert r["score_mean_abs_diff"] < 1e-6
+    assert ours["fastest_s"] > 0 and trl["fastest_s"] > 0 and r["ratio"] > 0
 
 
 def test_rollout_bench_times_three_sides_on_a_tiny_model(tmp_path) -> None:
