@@ -185,14 +185,18 @@ def test_non_finite_float_is_rejected(tmp_path):
     assert load_error(path).startswith(f"{path}:4: train_rm.lr: expected a finite number")
 
 
-def test_ppo_profile_differs_from_default_only_in_update_and_its_bar() -> None:
-    """default-ppo: the same loop with the PPO update; its gold bar is its own (0.70, not the
-    DPO default's 0.80), never a copy that drifted."""
+def test_ppo_profile_differs_from_default_only_in_update_its_bar_and_a_third_iteration(
+        ) -> None:
+    """default-ppo: the same loop with the PPO update, one iteration longer (the same first
+    two); its gold bar is its own (0.70, not the DPO default's 0.80), never a copy that
+    drifted."""
     base = to_dict(load_params(PARAMS_DIR / "default.yaml"))
     ppo = to_dict(load_params(PARAMS_DIR / "default-ppo.yaml"))
     assert ppo["update"]["algo"] == "ppo" and base["update"]["algo"] == "dpo"
-    assert {k: v for k, v in ppo.items() if k not in ("update", "targets")} == \
-        {k: v for k, v in base.items() if k not in ("update", "targets")}
+    assert ppo["iterations"] == {**base["iterations"], "3": {"prev": 2}}
+    same = ("update", "targets", "iterations")
+    assert {k: v for k, v in ppo.items() if k not in same} == \
+        {k: v for k, v in base.items() if k not in same}
     assert {k for k in ppo["targets"] if ppo["targets"][k] != base["targets"][k]} == \
         {"min_gold_win_rate", "min_gold_win_rate_ci_low"}
 
