@@ -75,7 +75,9 @@ TRL_PAD = "<|endoftext|>"
 
 
 def trl_ppo_dir() -> Path:
-    return ROOT / "benchmarks" / ".cache" / f"trl-{TRL_PPO_VERSION}"
+    """Where TRL 1.12 lives: benchmarks/.cache, which git ignores (benchmarks.run.cache_dir)."""
+    from benchmarks.run import cache_dir
+    return cache_dir() / f"trl-{TRL_PPO_VERSION}"
 
 
 def ensure_trl_ppo(install: bool = True) -> tuple[Path | None, str]:
@@ -86,7 +88,6 @@ def ensure_trl_ppo(install: bool = True) -> tuple[Path | None, str]:
         return d, "cached"
     if not install:
         return None, f"TRL {TRL_PPO_VERSION} is not in {d}"
-    d.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                            "--target", str(d), f"trl=={TRL_PPO_VERSION}"],
                           capture_output=True, text=True)

@@ -54,11 +54,12 @@ def test_cached_rerun_still_counts_the_loop_minutes_it_recorded(tiny_run):
 
     def minutes(out: str) -> tuple[str, str, str]:
         value = re.search(r"\] iteration minutes \(longest iteration\) = ([0-9.]+)", out)
-        each = re.search(r"minutes per iteration 1: ([0-9.]+), 2: ([0-9.]+); all ([0-9.]+)", out)
+        each = re.search(r"minutes per iteration 1: ([0-9.]+), 2: ([0-9.]+); all ([0-9.]+)",
+                         out)
         computed = re.search(r"this run computed (\d+) of (\d+)", out)
         assert value and each and computed, out[-800:]
         one, two, total = (float(x) for x in each.groups())
-        assert abs(float(value.group(1)) - max(one, two)) <= 0.0051    # the longest (2 vs 3 digits)
+        assert abs(float(value.group(1)) - max(one, two)) <= 0.0051   # the longest (3 vs 2 dp)
         assert abs(one + two - total) < 0.011
         return value.group(1), each.group(0), f"{computed.group(1)}/{computed.group(2)}"
 
