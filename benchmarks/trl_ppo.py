@@ -3,12 +3,13 @@
     python benchmarks/trl_ppo.py [--model DIR] [--prompts 6] [--k 8] [--repeats 3]
 
 TRL 1.16 (the `[bench]` extra) ships no PPO trainer; 1.12.0 is the last release that does
-(`trl.experimental.ppo.PPOTrainer`: huggingface/trl#4482 moved it there in v1.10, #7020 removed
-it in 1.13). It cannot share a process with 1.16, so this benchmark installs it once, without
-dependencies, into benchmarks/.cache/trl-1.12.0 (`pip install --no-deps --target`; it runs on
-the installed transformers, accelerate and datasets) and runs every side in a fresh process:
-ours (`python benchmarks/trl_ppo.py --side ours`) and TRL's (the same with --side trl and that
-directory first on PYTHONPATH), alternating, `--repeats` each; fastest and median reported.
+(`trl.experimental.ppo.PPOTrainer`: huggingface/trl#4482 moved it there in v1.10; the
+1.13 wheel has no ppo module). It cannot share a process with 1.16, so this benchmark
+installs it once, without dependencies, into benchmarks/.cache/trl-1.12.0 (`pip install
+--no-deps --target`; it runs on the installed transformers, accelerate and datasets) and runs
+every side in a fresh process: ours (`python benchmarks/trl_ppo.py --side ours`) and TRL's
+(the same with --side trl and that directory first on PYTHONPATH), alternating, `--repeats`
+each; fastest and median reported.
 
 Same on both sides: the frozen reference (the converted default model, or --model) and the
 policy (`moved_policy`: the same weights plus seeded noise of 2% of each tensor's spread, so
@@ -16,11 +17,11 @@ that it sits away from the reference as at any iteration after the first); the r
 (`build_rollouts`: `--prompts` default train prompts chat-rendered as the stages render them,
 `--k` responses each, as the rollout stage samples K per prompt, made of hand-written review
 sentences, 40 tokens each; pi_old = the policy's own log-probs, computed once here and
-stored, as the sampler stores them); the scores (standard normal, seeded:
-the RM's scoring pass is not timed on either side, it belongs to the update stage's edge); the
-profile's PPO settings (params/default-ppo.yaml: clip, value clip, KL coefficient k1 in the
-reward, gamma, lambda, whitened advantages, 1 epoch of minibatches of 8, lr), fp32, AdamW
-without weight decay at a constant lr, no gradient clipping.
+stored, as the sampler stores them); the scores (standard normal, seeded: the RM's scoring
+pass is not timed on either side, it belongs to the update stage's edge); the profile's PPO
+settings (params/default-ppo.yaml: clip, value clip, KL coefficient k1 in the reward, gamma,
+lambda, whitened advantages, 1 epoch of minibatches of 8, lr), fp32, AdamW without weight
+decay at a constant lr, no gradient clipping.
 
 Timed: ours, the whole `train_ppo` call (pi_old values, reference log-probs, rewards, GAE,
 the epochs); TRL's, the whole `train()` of one batch (the same passes and its epochs), model
@@ -113,9 +114,9 @@ def moved_policy(model_dir: Path, out: Path, scale: float = 0.02, seed: int = 0)
 
 def build_rollouts(model_dir: Path, n_prompts: int, k: int, seed: int = 0) -> dict[str, Any]:
     """n_prompts default train prompts x k distinct responses of hand-written review
-    sentences (RESPONSE_TOKENS ids, no EOS), the log-probs of them (pi_old) of the policy at
-    `model_dir` and
-    seeded standard-normal scores; rollouts of one prompt are adjacent, as the stage's are."""
+    sentences (RESPONSE_TOKENS ids, no EOS), their log-probs under the policy at `model_dir`
+    (pi_old) and seeded standard-normal scores; the rollouts of one prompt are adjacent, as
+    the stage's are."""
     from benchmarks.vs_trl import build_pairs, review_responses
     params = load_params(ROOT / "params" / "default.yaml")
     tok = lm.load_tokenizer(model_dir)
