@@ -17,13 +17,11 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from tasks import jsonl, layout, lm
 from tasks.params import load_params
 from tasks.records import parse_pair
-from tasks.reward_model import (PROBE_FOLDS, _probe_fit, encode_pairs, features_at_depths,
-                                heldout_split, init_reward_model, probe_cv)
+from tasks.reward_model import (PROBE_FOLDS, _probe_fit, depth_features, encode_pairs,
+                                heldout_split, init_reward_model, pair_diffs, probe_cv)
 
 
 def depths_arg(text: str) -> list[int]:
@@ -45,26 +43,16 @@ def main() -> None:
     tok = lm.load_tokenizer(ws / layout.policy(0))
     train, held = (encode_pairs(tok, x, p.model.max_prompt_tokens, rp.max_length)
                    for x in heldout_split(pool, rp.heldout_fraction))
-    model = init_reward_model(ws / layout.policy(0)).eval()
-    keys = list(dict.fromkeys((e.prompt_ids, s) for e in train + held
-                              for s in (e.chosen_ids, e.rejected_ids)))
+    model = init_reward_model(ws / layout.policy(0))
     t0 = time.perf_counter()
-    with torch.no_grad(), lm.autocast(rp.precision, "cpu"):
-        feats = torch.cat([features_at_depths(model, [k[0] for k in keys[s: s + 32]],
-                                              [k[1] for k in keys[s: s + 32]],
-                                              tok.pad_token_id, rp.pooling, args.depths).float()
-                           for s in range(0, len(keys), 32)])                  # (U, D, H)
-    index = {k: i for i, k in enumerate(keys)}
-
-    def diff(data: list, j: int) -> torch.Tensor:
-        return torch.stack([feats[index[(e.prompt_ids, e.chosen_ids)], j]
-                            - feats[index[(e.prompt_ids, e.rejected_ids)], j] for e in data])
+    keys, feats = depth_features(model, train + held, tok.pad_token_id, rp, args.depths)
+    d_train, d_held = pair_diffs(keys, feats, train), pair_diffs(keys, feats, held)  # (N, D, H)
     rows = {}
     for j, d in enumerate(args.depths):
-        losses, acc = probe_cv(diff(train, j), [e.prompt_ids for e in train],
+        losses, acc = probe_cv(d_train[:, j], [e.prompt_ids for e in train],
                                rp.probe_l2_grid or (rp.probe_l2,), PROBE_FOLDS)
         l2 = min(losses, key=lambda x: (losses[x], -x))
-        held_acc = float((diff(held, j) @ _probe_fit(diff(train, j), l2) > 0).float().mean())
+        held_acc = float((d_held[:, j] @ _probe_fit(d_train[:, j], l2) > 0).float().mean())
         rows[d] = {"l2": l2, "cv_loss": round(losses[l2], 4), "cv_accuracy": round(acc[l2], 4),
                    "heldout_accuracy": round(held_acc, 4)}
         print(f"{d:>3} blocks: {rows[d]}", flush=True)

@@ -435,6 +435,30 @@ def choose_probe_l2(diff: Tensor, prompts: Sequence[Sequence[int]], grid: Sequen
     return min(grid, key=lambda l2: (losses[l2], -l2)), accuracy
 
 
+def depth_features(model: transformers.PreTrainedModel, pairs: Sequence[EncodedPair],
+                   pad_id: int, p: TrainRMParams, depths: Sequence[int], batch_size: int = 32
+                   ) -> tuple[list[Key], Tensor]:
+    """Each distinct (prompt, response) of the pairs, in first-seen order, and its frozen
+    features (p.pooling, p.precision) after each of `depths` blocks, (U, D, H) in fp32: one
+    forward pass per batch through max(depths) blocks (`features_at_depths`)."""
+    keys = list(dict.fromkeys((e.prompt_ids, side) for e in pairs
+                              for side in (e.chosen_ids, e.rejected_ids)))
+    model.eval()
+    with torch.no_grad(), lm.autocast(p.precision, device_of(model)):
+        feats = torch.cat([features_at_depths(
+            model, [k[0] for k in keys[s: s + batch_size]], [k[1] for k in keys[s: s + batch_size]],
+            pad_id, p.pooling, depths).float() for s in range(0, len(keys), batch_size)])
+    return keys, feats
+
+
+def pair_diffs(keys: Sequence[Key], feats: Tensor, pairs: Sequence[EncodedPair]) -> Tensor:
+    """h(chosen) - h(rejected) of each pair from `depth_features`' output, (N, D, H)."""
+    index = {k: i for i, k in enumerate(keys)}
+    pick = torch.tensor([[index[(e.prompt_ids, side)] for side in (e.chosen_ids, e.rejected_ids)]
+                         for e in pairs], device=feats.device)                           # (N, 2)
+    return feats[pick[:, 0]] - feats[pick[:, 1]]
+
+
 def choose_depth(model: transformers.PreTrainedModel, train: Sequence[EncodedPair],
                  p: TrainRMParams, pad_id: int, batch_size: int = 32
                  ) -> tuple[FrozenFeatures, dict[str, float]]:
@@ -450,22 +474,13 @@ def choose_depth(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
     if grid[-1] > depth(model):
         raise DataError(f"train_rm.num_layers_grid: {grid[-1]} blocks asked for, the backbone "
                         f"has {depth(model)}")
-    keys = list(dict.fromkeys((e.prompt_ids, side) for e in train
-                              for side in (e.chosen_ids, e.rejected_ids)))
-    model.eval()
-    with torch.no_grad(), lm.autocast(p.precision, device_of(model)):
-        feats = torch.cat([features_at_depths(
-            model, [k[0] for k in keys[s: s + batch_size]], [k[1] for k in keys[s: s + batch_size]],
-            pad_id, p.pooling, grid).float() for s in range(0, len(keys), batch_size)])  # (U, D, H)
-    index = {k: i for i, k in enumerate(keys)}
-    pick = torch.tensor([[index[(e.prompt_ids, side)] for side in (e.chosen_ids, e.rejected_ids)]
-                         for e in train], device=feats.device)                           # (N, 2)
+    keys, feats = depth_features(model, train, pad_id, p, grid, batch_size)
+    diffs = pair_diffs(keys, feats, train)                                          # (N, D, H)
     prompts = [e.prompt_ids for e in train]
     l2s = p.probe_l2_grid or (p.probe_l2,)
     scores = {}
     for j, d in enumerate(grid):
-        diff = feats[pick[:, 0], j] - feats[pick[:, 1], j]                               # (N, H)
-        losses, _ = probe_cv(diff, prompts, l2s, PROBE_FOLDS)
+        losses, _ = probe_cv(diffs[:, j], prompts, l2s, PROBE_FOLDS)
         scores[d] = min(losses.values())
     best = min(grid, key=lambda d: (scores[d], d))
     truncate(model, best)
