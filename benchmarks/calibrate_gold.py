@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from tasks import lm
+from tasks.generation import sample_rollouts
 from tasks.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
 from tasks.gold import GoldEvaluator, mean_nll
 from tasks.params import load_params
-from tasks.prompts import build_prompts, read_lines
 from tasks.records import parse_prompt
-from tasks.rollout import sample_rollouts
+from tasks.stages.prompts import build_prompts, read_lines
 
 OFF_TOPIC = [
     "Thank you for the great work! I'm glad I could assist you today.",

@@ -1,6 +1,6 @@
 """DPO update throughput on 1 vs N processes (`update.processes`, torchrun, gloo on CPU).
 
-What is timed is the stage itself, `python -m tasks.update --it 1`, as DVC runs it, on a tiny
+What is timed is the stage itself, `python -m tasks.stages.update --it 1`, as DVC runs it, on a tiny
 workspace (set-up, rollout@1 and judge@1 of params/tiny.yaml; 8 on-policy + 8 off-policy
 pairs, batches of 8). Rank 0 reports the seconds of its whole `train_dpo` call (reference pass,
 every step and its all-reduces) in the debug side file (ALIGNLOOP_STEP_LOSSES), so:

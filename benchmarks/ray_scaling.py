@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO))       # `python benchmarks/ray_scaling.py` from an
 
 from benchmarks.rollout_bench import train_prompts  # noqa: E402
 from tasks import lm, ray_pool, sampling, stage  # noqa: E402
+from tasks.generation import sample_rollouts  # noqa: E402
 from tasks.params import GenerationParams, TinyModelParams, load_params  # noqa: E402
-from tasks.rollout import sample_rollouts  # noqa: E402
 from tasks.tiny_model import save_tiny  # noqa: E402
 
 

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from tasks import jsonl, layout, lm, stage
-from tasks.judge import judge_groups, pool_margin, rollout_groups
 from tasks.judges import make_judge
+from tasks.labelling import judge_groups, pool_margin, rollout_groups
 from tasks.params import TrainRMParams, load_params
 from tasks.records import parse_rollout
 from tasks.reward_model import (RewardEnsemble, encode_pairs, ensemble_metrics, fit_probe_head,

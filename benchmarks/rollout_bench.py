@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from tasks import lm, stage
+from tasks.generation import sample_rollouts
 from tasks.params import GenerationParams, load_params
-from tasks.prompts import build_prompts, read_lines
 from tasks.records import Prompt, Rollout, parse_prompt
-from tasks.rollout import sample_rollouts
+from tasks.stages.prompts import build_prompts, read_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPERATURE, TOP_P = 1.0, 1.0       # the rollout stage's defaults (params/default.yaml)

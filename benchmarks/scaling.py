@@ -1,9 +1,9 @@
 """Time and peak memory of one real-model iteration at 1x, 2x and 4x the prompts.
 
 One iteration is the stage chain rollout -> judge -> train_rm -> update -> evaluate, each run
-as its dvc.yaml command runs it (`python -m tasks.X --it 1`, a fresh interpreter) in a prepared
-workspace directory. The profile is params/default.yaml (the real SmolLM2 model, its batch
-sizes, epochs and precision) with the prompt counts scaled: `rollout.n_prompts` = base x s
+as its dvc.yaml command runs it (`python -m tasks.stages.X --it 1`, a fresh interpreter) in a
+prepared workspace directory. The profile is params/default.yaml (the real SmolLM2 model, its
+batch sizes, epochs and precision) with the prompt counts scaled: `rollout.n_prompts` = base x s
 (K samples each) and the held-out prompts of `evaluate` (and its Best-of-N baseline) = eval
 base x s. The set-up stages (prompts, prepare_model, collect_offpolicy, reference_samples)
 run untimed before each scale. Peak memory is each stage process's own peak RSS (VmHWM of
@@ -76,9 +76,9 @@ def _watch_peak(pid: int, done: threading.Event, peak: list[int]) -> None:
 
 
 def run_stage(module: str, root: Path, it: int, env: dict[str, str]) -> dict[str, Any]:
-    """`python -m tasks.<module> --it IT --root ROOT`: seconds and the process's peak RSS."""
+    """`python -m tasks.stages.<module> --it IT --root ROOT`: seconds and the process's peak RSS."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", f"tasks.{module}", "--it", str(it),
+    proc = subprocess.Popen([sys.executable, "-m", f"tasks.stages.{module}", "--it", str(it),
                              "--root", str(root)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None
@@ -98,7 +98,7 @@ def run_stage(module: str, root: Path, it: int, env: dict[str, str]) -> dict[str
     proc.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"tasks.{module} --it {it} exited {proc.returncode}:\n"
+        raise RuntimeError(f"tasks.stages.{module} --it {it} exited {proc.returncode}:\n"
                            f"{output.decode(errors='replace')[-3000:]}")
     return {"stage": module, "seconds": round(seconds, 2),
             "peak_rss_mb": round(peak[0] / 1024, 1),

@@ -2,8 +2,8 @@
 
 Each update is the stage's own training function, called as the stage calls it:
 `tasks.dpo.train_dpo` (update, DPO), `tasks.reward_model.train_reward` (train_rm) and
-`tasks.ppo.train_ppo` (update, PPO, as `tasks.update.run_ppo` calls it), with the batch sizes,
-epochs and learning rates of params/default.yaml, on realistic inputs: the default train
+`tasks.ppo.train_ppo` (update, PPO, as `tasks.stages.update.run_ppo` calls it), with the batch
+sizes, epochs and learning rates of params/default.yaml, on realistic inputs: the default train
 prompts chat-rendered as the stages render them (~47 tokens) and the model's own responses of
 up to 40 tokens, sampled once by the rollout stage's sampler (`sample_inputs`).
 
@@ -48,8 +48,8 @@ import torch
 from benchmarks.peaks import measure_peaks
 from tasks import lm
 from tasks.params import Params, load_params
-from tasks.prompts import build_prompts, read_lines
 from tasks.records import Rollout, parse_prompt
+from tasks.stages.prompts import build_prompts, read_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 RESPONSE_TOKENS = 40
@@ -77,7 +77,7 @@ def sample_inputs(model_dir: Path, params: Params, n_prompts: int, seed: int = 0
     rollout stage's own code (`sample_rollouts`: chat rendering, RESPONSE_TOKENS new tokens,
     temperature 1, the sampler's per-token log-probs), grouped by prompt. Sample 2i and 2i+1
     answer prompt i: they are a DPO/RM pair's chosen and rejected; sample 2i is a PPO rollout."""
-    from tasks.rollout import sample_rollouts
+    from tasks.generation import sample_rollouts
     p = params.prompts
     subjects, templates = read_lines(ROOT / p.subjects_file), read_lines(ROOT / p.templates_file)
     train, _ = build_prompts(subjects, templates, replace(p, n_train=max(n_prompts, 1),

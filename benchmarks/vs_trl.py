@@ -82,9 +82,9 @@ from benchmarks.trl_side import trl_dpo, trl_rm  # noqa: E402
 from tasks import heap, lm  # noqa: E402
 from tasks.distributed import LOSSES_ENV  # noqa: E402
 from tasks.params import DPOParams, Params, TrainRMParams, load_params  # noqa: E402
-from tasks.prompts import build_prompts, read_lines  # noqa: E402
 from tasks.records import parse_prompt  # noqa: E402
 from tasks.reward_model import EncodedPair, prompt_batches  # noqa: E402
+from tasks.stages.prompts import build_prompts, read_lines  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 RESPONSE_TOKENS = 40

@@ -399,7 +399,7 @@ class StageFailed(RuntimeError):
 
 def _cause(e: BaseException) -> str:
     """The innermost message of DVC's exception chain, e.g. "failed to run: python -m
-    tasks.update --it 1, exited with 2" or "output 'x' is already tracked by SCM"."""
+    tasks.stages.update --it 1, exited with 2" or "output 'x' is already tracked by SCM"."""
     while e.__cause__ is not None:
         e = e.__cause__
     return str(e) or type(e).__name__

@@ -80,7 +80,7 @@ def environment(ws: Workspace) -> dict[str, str]:
     env["MLFLOW_TRACKING_URI"] = os.environ.get("MLFLOW_TRACKING_URI", ws.mlflow_uri)
     env["PREFECT_HOME"] = os.environ.get("PREFECT_HOME", str(ws.prefect_home))
     env["DVC_SITE_CACHE_DIR"] = os.environ.get("DVC_SITE_CACHE_DIR", str(ws.state / "dvc-site"))
-    # stage commands run `python -m tasks.X`: make that the interpreter running alignloop
+    # stage commands run `python -m tasks.stages.X`: make that the interpreter running alignloop
     bindir, path = str(Path(sys.executable).parent), os.environ.get("PATH", "")
     env["PATH"] = path if path.split(os.pathsep)[0] == bindir else os.pathsep.join([bindir, path])
     return env
@@ -151,14 +151,15 @@ DATA_DIRS = ("prompts", "gold", "judges")   # params/<dir>/*: versioned data the
 
 
 def sync_declaration(root: Path, params_file: Path) -> list[str]:
-    """Copy dvc.yaml, tasks/*.py, the versioned data under params/ (DATA_DIRS) and the profile
-    into the workspace."""
+    """Copy dvc.yaml, tasks/**/*.py (the libraries and tasks/stages/), the versioned data under
+    params/ (DATA_DIRS) and the profile into the workspace."""
     if root.resolve() == PROJECT_ROOT:
         return []
     changed = []
     pairs = [(PROJECT_ROOT / "dvc.yaml", root / "dvc.yaml"),
              (params_file, root / layout.PARAMS_FILE)]
-    pairs += [(f, root / "tasks" / f.name) for f in sorted((PROJECT_ROOT / "tasks").glob("*.py"))]
+    sources = _sources(PROJECT_ROOT)
+    pairs += [(PROJECT_ROOT / rel, root / rel) for rel in sorted(sources)]
     for name in DATA_DIRS:
         pairs += [(f, root / "params" / name / f.name)
                   for f in sorted((PROJECT_ROOT / "params" / name).iterdir()) if f.is_file()]
@@ -166,12 +167,17 @@ def sync_declaration(root: Path, params_file: Path) -> list[str]:
         data = profile_text(src).encode() if dst.name == layout.PARAMS_FILE else None
         if _sync_file(src, dst, data):
             changed.append(str(dst.relative_to(root)))
-    stale = {f.name for f in (root / "tasks").glob("*.py")} - \
-        {f.name for f in (PROJECT_ROOT / "tasks").glob("*.py")}
-    for name in sorted(stale):
-        (root / "tasks" / name).unlink()
-        changed.append(f"tasks/{name} (removed)")
+    for rel in sorted(_sources(root) - sources):
+        (root / rel).unlink()
+        changed.append(f"{rel} (removed)")
     return changed
+
+
+def _sources(root: Path) -> set[str]:
+    """The Python sources under root/tasks, as paths relative to root (tasks/x.py,
+    tasks/stages/y.py)."""
+    return {f.relative_to(root).as_posix() for f in (root / "tasks").rglob("*.py")
+            if "__pycache__" not in f.parts}
 
 
 def init(root: Path) -> bool:

@@ -30,7 +30,7 @@ from tasks.stage import THREADS_ENV
 
 MARK_ENV = "ALIGNLOOP_DDP"                 # set by `relaunch`: this process is one of its ranks
 LOSSES_ENV = "ALIGNLOOP_STEP_LOSSES"       # debug: rank 0 writes the per-step losses (JSON) here
-REPO = Path(__file__).resolve().parents[1]  # where `-m tasks.<stage>` imports from
+REPO = Path(__file__).resolve().parents[1]  # where `-m tasks.stages.<stage>` imports from
 
 
 class LaunchError(InputError):

@@ -10,6 +10,7 @@ PROMPTS_HELDOUT = "data/prompts/heldout.jsonl"
 REFERENCE_SAMPLES = "data/reference/heldout_samples.jsonl"   # the reference on held-out prompts
 BEST_OF_N_SAMPLES = "data/reference/best_of_n_samples.jsonl"  # N more per prompt (baseline)
 IMPORT_DIR = "data/import"
+JUDGE_TEMPLATES = "params/judges"        # the pairwise judges' versioned prompts (llm, http)
 IMPORT_PAIRS = "data/import/pairs.jsonl"   # `alignloop import` writes it (offpolicy.import_path)
 OFFPOLICY_METRICS = "metrics/offpolicy.json"
 MODEL_META = "alignloop_model.json"      # written inside every saved model directory

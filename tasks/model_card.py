@@ -115,14 +115,16 @@ def base_model(meta: Mapping[str, Any]) -> str:
 def algorithm(p: Params, stage: str) -> dict[str, object]:
     """The training recipe a card shows: update.algo with its loss and beta (or kl_coef), the
     reward model's Bradley-Terry loss, or the initial model's source."""
-    u, t = p.update, p.train_rm
-    if stage == "update" and u.algo == "dpo":
-        return {"algo": "dpo", "loss": u.dpo.loss, "beta": u.dpo.beta, "reference": u.reference,
-                "pair_source": u.dpo.pair_source, "lr": u.dpo.lr, "epochs": u.dpo.epochs}
-    if stage == "update":
+    if stage == "update":              # each stage reads its own section only (its contract)
+        u = p.update
+        if u.algo == "dpo":
+            return {"algo": "dpo", "loss": u.dpo.loss, "beta": u.dpo.beta,
+                    "reference": u.reference, "pair_source": u.dpo.pair_source,
+                    "lr": u.dpo.lr, "epochs": u.dpo.epochs}
         return {"algo": "ppo", "loss": "clipped PPO, value head", "kl_coef": u.ppo.kl_coef,
                 "kl_mode": u.ppo.kl_mode, "reference": u.reference, "lr": u.ppo.lr}
     if stage == "train_rm":
+        t = p.train_rm
         return {"algo": "bradley-terry", "loss": "-log sigmoid(r_c - r_r - margin)",
                 "margin": t.margin, "ensemble": t.ensemble, "lr": t.lr, "epochs": t.epochs}
     return {"source": p.model.source}                # prepare_model: nothing trained

@@ -4,7 +4,7 @@ On a terminal the line is rewritten in place (at most a few times a second); whe
 not a terminal (CI logs, `| tee`) one line is printed every `every` seconds, and a last one at
 the end, so a 10-minute stage shows how far it has got without flooding a log. The loops call
 `step(n)`; they never print themselves and hold no global state. `track` labels the line with
-the stage instance this process runs (`python -m tasks.rollout --it 2` -> `rollout@2`).
+the stage instance this process runs (`python -m tasks.stages.rollout --it 2` -> `rollout@2`).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ class Progress:
 
 
 def stage_label() -> str:
-    """`rollout@2` for `python -m tasks.rollout --it 2`; the program's name otherwise."""
+    """`rollout@2` for `python -m tasks.stages.rollout --it 2`; the program's name otherwise."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     name = spec.name.rpartition(".")[2] if spec is not None and spec.name else "stage"

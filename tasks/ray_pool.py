@@ -1,6 +1,6 @@
 """Work spread over Ray workers: rollouts and evaluate's samples (`rollout.workers`,
-`evaluate.workers` > 1, see `tasks.rollout`) and judging (`judge.workers` > 1, see
-`tasks.judge`). Imported only then: nothing else in `tasks/` imports Ray.
+`evaluate.workers` > 1, see `tasks.generation`) and judging (`judge.workers` > 1, see
+`tasks.labelling`). Imported only then: nothing else in `tasks/` imports Ray.
 
 The cluster: the user's when `RAY_ADDRESS` is set (`ray start --head`, a KubeRay head, ...),
 else a local one that this process starts and stops (all the machine's CPUs, no dashboard, no

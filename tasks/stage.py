@@ -1,4 +1,12 @@
-"""The thin edge every stage shares: argument parsing, params, threads, RNG, metrics files."""
+"""The thin edge every stage shares: its contract, argument parsing, params, threads, RNG,
+metrics files.
+
+Each stage module (tasks/stages/) declares one `Contract`: the params keys it reads, the data it
+reads and what it writes, at the paths tasks/layout.py names. dvc.yaml is checked against the
+contracts (tests/test_dvc_yaml.py), and `parse` hands the stage a view of the params that
+answers the declared keys only: a key read but not declared fails at once, rather than going
+stale in dvc.yaml (a change to it would not rerun the stage).
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,9 +16,10 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -25,15 +34,79 @@ ERROR_FILE_ENV = "ALIGNLOOP_ERROR_FILE"  # set by the CLI: where a stage's one-l
 LOG_FILE_ENV = "ALIGNLOOP_LOG_FILE"      # set by the CLI: where an unexpected traceback goes
 
 
+Paths = Callable[[str, str], Sequence[str]]   # (iteration, its prev) -> workspace paths
+
+
+def _none(it: str, prev: str) -> Sequence[str]:
+    return ()
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What one stage reads and writes. `params`: the params.yaml keys it reads, as DVC names
+    them (a section, or `section.key`: DVC reruns the stage when one of them changes). The rest
+    are paths in the workspace for an iteration `it` and the iteration `prev` it starts from
+    (loop stages; set-up stages ignore both), through tasks/layout.py: `deps` the data it
+    reads (its sources are found from its imports), `outs` what it writes, `metrics` its
+    metrics files (git-tracked, not cached). `name`: the stage's, as dvc.yaml names it."""
+    name: str
+    params: tuple[str, ...]
+    deps: Paths = _none
+    outs: Paths = _none
+    metrics: Paths = _none
+    keys: frozenset[tuple[str, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", frozenset(tuple(k.split(".")) for k in self.params))
+
+    def declares(self, key: str) -> bool:
+        """Whether `key` (dotted) is declared, itself or by a section above it."""
+        path = tuple(key.split("."))
+        return any(path[:len(k)] == k for k in self.keys)
+
+
+class UndeclaredParam(RuntimeError):
+    """A stage read a params key its contract does not declare: a bug in the stage module (its
+    dvc.yaml entry would not rerun it when that key changes), not in the user's params."""
+
+
+class Declared:
+    """A read-only view of a params object (Params, or a section of it) that answers only the
+    keys `contract` declares: a declared key, or a section under a declared one, is the params'
+    own value; a section some of whose keys are declared is a view again; anything else raises
+    UndeclaredParam naming the stage and the key."""
+    __slots__ = ("_value", "_contract", "_path")
+
+    def __init__(self, value: object, contract: Contract, path: tuple[str, ...] = ()) -> None:
+        self._value, self._contract, self._path = value, contract, path
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._value, name)
+        path = self._path + (name,)
+        if self._contract.declares(".".join(path)):
+            return value
+        if any(k[:len(path)] == path for k in self._contract.keys):
+            return Declared(value, self._contract, path)
+        raise UndeclaredParam(
+            f"stage {self._contract.name} reads params key {'.'.join(path)}, which its contract "
+            f"does not declare: add it to CONTRACT.params in tasks/stages/{self._contract.name}.py "
+            "and to the stage's params in dvc.yaml")
+
+    def __repr__(self) -> str:
+        return f"Declared({'.'.join(self._path) or 'params'} of stage {self._contract.name})"
+
+
 @dataclass(frozen=True)
 class StageArgs:
-    params: Params
+    params: Params                   # a `Declared` view: the contract's keys only
     root: Path
     it: int
     device: torch.device = torch.device("cpu")   # params.device resolved (tasks/device.py)
 
 
-def parse(argv: list[str] | None, description: str) -> StageArgs:
+def parse(argv: list[str] | None, description: str, contract: Contract) -> StageArgs:
+    """The stage's arguments and its params, as the view `Declared` by its contract; the run
+    seed and the device are set from them only where the contract declares them."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--it", type=int, default=0, help="iteration number (0: set-up stages)")
     ap.add_argument("--root", default=".", help="workspace root (default: current directory)")
@@ -41,8 +114,10 @@ def parse(argv: list[str] | None, description: str) -> StageArgs:
     root = Path(ns.root).resolve()
     params = load_params(root / layout.PARAMS_FILE)
     torch.set_num_threads(int(os.environ.get(THREADS_ENV, os.cpu_count() or 1)))
-    torch.manual_seed(params.seed)      # implicit inits (a new reward head) are reproducible
-    return StageArgs(params, root, ns.it, resolve_device(params.device))
+    if contract.declares("seed"):
+        torch.manual_seed(params.seed)  # implicit inits (a new reward head) are reproducible
+    device = resolve_device(params.device) if contract.declares("device") else torch.device("cpu")
+    return StageArgs(cast(Params, Declared(params, contract)), root, ns.it, device)
 
 
 def generator(seed: int, *salt: int) -> torch.Generator:
@@ -112,7 +187,7 @@ def run_main(body: Callable[[], None]) -> None:
 
 
 def _freeze_if_program() -> None:
-    """Run as a program (`python -m tasks.<stage>`, what DVC runs), move every object alive
+    """Run as a program (`python -m tasks.stages.<stage>`, what DVC runs), move every object alive
     now out of the cyclic GC's reach: the ~370k objects torch and transformers leave at
     import live as long as the process, and the interpreter's exit ran cyclic GC over them,
     ~1 s a stage (exit 1.0 -> 0.16 s). atexit and log handlers, module teardown and

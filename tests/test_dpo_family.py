@@ -16,12 +16,13 @@ from safetensors.torch import load_file
 
 from conftest import run_stage, set_params, tiny_stage_workspace
 
-from tasks import (audit, collect_offpolicy, evaluate, jsonl, judge, layout, lm, prepare_model,
-                   prompts, reference_samples, reward_model, rollout, stage, train_rm, update)
+from tasks import audit, jsonl, layout, lm, reward_model, stage
 from tasks.dpo import _pair_logprobs, offpolicy_indices
 from tasks.losses import (DPO_LOSSES, LENGTH_NORMALISED_LOSSES, cdpo_loss, dpo_sigmoid_loss,
                           ipo_loss)
 from tasks.records import parse_pair, parse_rollout
+from tasks.stages import (collect_offpolicy, evaluate, judge, prepare_model, prompts,
+                          reference_samples, rollout, train_rm, update)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -3,6 +3,7 @@ declared params exist, and every artifact a stage depends on is produced before 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from functools import cache
 from pathlib import Path
@@ -12,13 +13,14 @@ import pytest
 import yaml
 
 from tasks import layout
+from tasks.stage import Contract
 
 ROOT = Path(__file__).resolve().parents[1]
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())
 STAGES: dict[str, dict[str, Any]] = DVC["stages"]
 TINY = yaml.safe_load((ROOT / "params" / "tiny.yaml").read_text())
 PROFILES = sorted((ROOT / "params").glob("*.yaml"))
-CMD = re.compile(r"^python -m tasks\.(\w+)( --it \$\{key\})?$")
+CMD = re.compile(r"^python -m tasks\.stages\.(\w+)( --it \$\{key\})?$")
 
 
 def body(name: str) -> dict[str, Any]:
@@ -31,25 +33,37 @@ def is_loop(name: str) -> bool:
 
 
 def module_of(name: str) -> str:
+    """The stage's module as a path under tasks/ without .py: `stages/rollout`."""
     m = CMD.match(body(name)["cmd"])
     assert m, f"{name}: unexpected cmd {body(name)['cmd']!r}"
-    return m.group(1)
+    return f"stages/{m.group(1)}"
+
+
+def _module(dotted: str) -> str:
+    """`tasks.x` -> `x`, `tasks.stages.y` -> `stages/y`."""
+    return "/".join(dotted.split(".")[1:])
+
+
+def imports_in(source: str) -> set[str]:
+    """tasks modules a Python source imports anywhere (function-level imports included), as
+    paths under tasks/ without .py. The packages' __init__ files hold no code
+    (test_packages_hold_no_code) and are not deps."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module in ("tasks", "tasks.stages"):      # from tasks[.stages] import a, b
+                out |= {_module(f"{node.module}.{a.name}") for a in node.names}
+            elif node.module.startswith("tasks."):           # from tasks.x[.y] import z
+                out.add(_module(node.module))
+        elif isinstance(node, ast.Import):                   # import tasks.x
+            out |= {_module(a.name) for a in node.names if a.name.startswith("tasks.")}
+    return out
 
 
 @cache
 def direct_imports(module: str) -> frozenset[str]:
-    """tasks modules imported anywhere in tasks/<module>.py (function-level imports included)."""
-    tree = ast.parse((ROOT / "tasks" / f"{module}.py").read_text(), filename=f"{module}.py")
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "tasks":                       # from tasks import a, b
-                out |= {a.name for a in node.names}
-            elif node.module.startswith("tasks."):           # from tasks.x import y
-                out.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):                   # import tasks.x
-            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("tasks.")}
-    return frozenset(out)
+    """What tasks/<module>.py imports (`imports_in`)."""
+    return frozenset(imports_in((ROOT / "tasks" / f"{module}.py").read_text()))
 
 
 def closure(module: str) -> set[str]:
@@ -140,37 +154,81 @@ def test_source_deps_exist(name: str) -> None:
         assert dep.endswith(".py") and (ROOT / dep).is_file(), f"{name}: {dep} does not exist"
 
 
+STAGE_MODULES = sorted(f"stages/{f.stem}" for f in (ROOT / "tasks" / "stages").glob("*.py")
+                       if f.stem != "__init__")
+LIBRARIES = sorted(f.stem for f in (ROOT / "tasks").glob("*.py") if f.stem != "__init__")
+
+
+def test_every_stage_module_is_a_stage() -> None:
+    """tasks/stages/ holds exactly the modules dvc.yaml runs; libraries are the rest."""
+    assert STAGE_MODULES == sorted(module_of(n) for n in STAGES)
+
+
+@pytest.mark.parametrize("module", STAGE_MODULES + LIBRARIES)
+def test_no_stage_imports_another(module: str) -> None:
+    """A stage module imports libraries only; a library imports no stage module."""
+    stages = sorted(m for m in direct_imports(module) if m.startswith("stages/") and m != module)
+    assert not stages, f"tasks/{module}.py imports the stage module(s) {stages}: move what " \
+        "they share into a library in tasks/"
+
+
+def test_packages_hold_no_code() -> None:
+    """tasks/__init__.py and tasks/stages/__init__.py run on every stage's import but are no
+    dep of any: a docstring at most."""
+    for init in (ROOT / "tasks" / "__init__.py", ROOT / "tasks" / "stages" / "__init__.py"):
+        tree = ast.parse(init.read_text())
+        assert all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+                   for n in tree.body), f"{init.relative_to(ROOT)} holds code"
+
+
+def test_isolation_check_sees_every_form_of_a_stage_import() -> None:
+    for line in ("from tasks.stages import rollout", "from tasks.stages.rollout import main",
+                 "import tasks.stages.rollout", "def f():\n    from tasks.stages import rollout"):
+        assert imports_in(line) == {"stages/rollout"}, line
+    assert imports_in("from tasks import generation, layout") == {"generation", "layout"}
+
+
 def test_import_scanner_sees_every_import_form() -> None:
-    assert {"atomic", "layout", "lm", "stage"} <= direct_imports("prepare_model")   # from tasks import
-    assert "params" in direct_imports("prepare_model")                               # from tasks.x import
-    assert {"tiny_model", "gguf_convert"} <= direct_imports("prepare_model")        # in a function
-    assert "sampling" in closure("evaluate") and "sampling" not in direct_imports("evaluate")
+    prepare = direct_imports("stages/prepare_model")
+    assert {"atomic", "layout", "lm", "stage"} <= prepare                 # from tasks import
+    assert "params" in prepare                                            # from tasks.x import
+    assert {"tiny_model", "gguf_convert"} <= prepare                      # in a function
+    evaluate = "stages/evaluate"
+    assert "sampling" in closure(evaluate) and "sampling" not in direct_imports(evaluate)
 
 
 # --- artifact paths ---------------------------------------------------------------------------
 
-def expected_outputs(name: str, it: int) -> tuple[list[str], list[str]]:
-    """(outs, metrics) of a stage instance, from tasks/layout.py."""
-    return {
-        "prompts": ([layout.PROMPTS_TRAIN, layout.PROMPTS_HELDOUT], []),
-        "prepare_model": ([layout.policy(0)], []),
-        "collect_offpolicy": ([layout.pairs_pool(0)], [layout.OFFPOLICY_METRICS]),
-        "reference_samples": ([layout.REFERENCE_SAMPLES, layout.BEST_OF_N_SAMPLES], []),
-        "rollout": ([layout.rollouts(it)], [layout.metrics(it, "rollout")]),
-        "judge": ([layout.pairs(it), layout.pairs_pool(it)], [layout.metrics(it, "judge")]),
-        "train_rm": ([layout.reward_model(it), layout.audit_queue(it)],
-                     [layout.metrics(it, "train_rm")]),
-        "update": ([layout.policy(it)], [layout.metrics(it, "update")]),
-        "evaluate": ([layout.eval_samples(it)], [layout.metrics(it, "evaluate")]),
-        "gate": ([layout.gate(it)], []),
-    }[name]
+def contract(name: str) -> Contract:
+    """The stage module's own declaration (tasks/stages/<name>.py: CONTRACT)."""
+    c: Contract = importlib.import_module(f"tasks.stages.{name}").CONTRACT
+    assert c.name == name, f"tasks/stages/{name}.py: CONTRACT names stage {c.name!r}"
+    return c
+
+
+def declared(name: str, field: str) -> list[str]:
+    """A contract's paths as dvc.yaml writes them (`${key}`, `${item.prev}`)."""
+    paths_of = getattr(contract(name), field)
+    return list(paths_of("${key}", "${item.prev}"))
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_dvc_yaml_agrees_with_the_stage_contract(name: str) -> None:
+    """params (exact keys, in order), data deps, outs and metrics: as the module declares."""
+    assert body(name).get("params", []) == list(contract(name).params)
+    data_deps = [d for d in paths(body(name).get("deps", [])) if not d.startswith("tasks/")]
+    assert data_deps == declared(name, "deps")
+    assert paths(body(name).get("outs", [])) == declared(name, "outs")
+    assert paths(body(name).get("metrics", [])) == declared(name, "metrics")
 
 
 @pytest.mark.parametrize("name, key", instances())
 def test_outs_and_metrics_match_layout(name: str, key: str | None) -> None:
-    outs, metrics = expected_outputs(name, int(key) if key else 0)
-    assert rendered(name, "outs", key) == outs
-    assert rendered(name, "metrics", key) == metrics
+    it = int(key) if key else 0
+    prev = TINY["iterations"][key]["prev"] if key else 0
+    c = contract(name)
+    assert rendered(name, "outs", key) == list(c.outs(it, prev))
+    assert rendered(name, "metrics", key) == list(c.metrics(it, prev))
 
 
 def test_layout_renders_like_dvc() -> None:

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from tasks.evaluate import best_of_n_kl, hacking_flags, kl_per_response, padded, untempered
 from tasks.gold import GoldEvaluator, GoldScore, gold_verdict, mean_nll, subject_title
 from tasks.params import GenerationParams, GoldParams, MonitorParams
+from tasks.stages.evaluate import best_of_n_kl, hacking_flags, kl_per_response, padded, untempered
 
 
 def g(sentiment: float = 0.0, on_topic: bool = True, fluent: bool = True) -> GoldScore:

@@ -17,10 +17,11 @@ import pytest
 import yaml
 
 from conftest import set_params
-from tasks import collect_offpolicy, jsonl, judge, layout, prepare_model, prompts, rollout
+from tasks import jsonl, layout
 from tasks.judge_llm import LocalLMBackend
 from tasks.pairwise import JudgeStats
 from tasks.params import load_params
+from tasks.stages import collect_offpolicy, judge, prepare_model, prompts, rollout
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = "params/judges/pairwise_review.txt"
@@ -252,8 +253,8 @@ def test_reward_model_judge_stage_pairs_best_against_worst(base: Path, user_rm: 
 
 
 def test_reward_model_judge_refuses_a_model_that_is_not_one(base: Path) -> None:
-    from tasks.lm import ModelError
     from tasks.judge_rm import RewardModelJudge
+    from tasks.lm import ModelError
     with pytest.raises(ModelError, match="not a reward model"):
         RewardModelJudge(base / layout.policy(0), 0.05, 1, 512)
 

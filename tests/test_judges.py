@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tasks.judge import judge_groups, ranked_pairs
 from tasks.judges import (LexiconJudge, Verdict, judge_pair, make_judge, verdict_from_scores,
                           verdict_rates)
+from tasks.labelling import judge_groups, ranked_pairs
 from tasks.params import JudgeParams
 from tasks.records import Message, Prompt
 from tasks.winrate import win_rate

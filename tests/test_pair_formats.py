@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from tasks.collect_offpolicy import import_pairs, inside_import_dir
 from tasks.jsonl import DataError
 from tasks.pair_formats import IdenticalPair, common_prefix_length, explicit, hh_messages
 from tasks.pair_import import read_pairs
 from tasks.records import Message, parse_pair
+from tasks.stages.collect_offpolicy import import_pairs, inside_import_dir
 
 HH_PROMPT = ("\n\nHuman: Recommend a film.\n\nAssistant: Alien is good.\n\nHuman: Why?"
              "\n\nAssistant:")

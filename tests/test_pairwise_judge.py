@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.judge import judge_all, pairwise_groups, seeded_pairs
 from tasks.judges import judge_pair, judge_pairs, make_judge, swapped
+from tasks.labelling import judge_all, pairwise_groups, seeded_pairs
 from tasks.pairwise import (JudgeStats, PairwiseLLMJudge, Reply, Template, load_template,
                             parse_verdict)
 from tasks.params import JudgeParams
@@ -156,7 +156,7 @@ def test_pairwise_groups_pairs_and_metrics() -> None:
 
 
 def test_judge_all_keeps_the_pointwise_path() -> None:
-    from tasks.judge import judge_groups, pool_margin
+    from tasks.labelling import judge_groups, pool_margin
     lex = make_judge(JudgeParams(kind="lexicon"))
     groups = [(PROMPT, ["A wonderful film.", "An awful film.", "A film."], {"prompt_id": "p"})]
     jp = JudgeParams(kind="lexicon", pool_pairs="all")

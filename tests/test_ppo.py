@@ -18,13 +18,14 @@ import transformers
 from safetensors.torch import load_file
 
 from conftest import run_stage, set_params
-from tasks import (collect_offpolicy, judge, jsonl, layout, prepare_model, prompts,
-                   reference_samples, rollout, stage, train_rm, update, value_head)
+from tasks import jsonl, layout, stage, value_head
 from tasks.losses import ppo_clip_loss, ppo_value_loss
 from tasks.params import PPOParams, ReuseParams
 from tasks.ppo import (REPLAY_FILE, gae, make_experience, minibatch_loss, prompt_minibatches,
                        shape_scores, token_rewards, train_ppo)
 from tasks.records import Message, Rollout
+from tasks.stages import (collect_offpolicy, judge, prepare_model, prompts, reference_samples,
+                          rollout, train_rm, update)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,8 @@ import yaml
 from conftest import ROOT, run_cli
 from tasks import layout, lm, sampling
 from tasks.errors import InputError
-from tasks.judge import judge_all
 from tasks.judges import make_judge
+from tasks.labelling import judge_all
 from tasks.params import JudgeParams, TinyModelParams
 from tasks.records import Message
 from tasks.tiny_model import save_tiny

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from tasks import atomic, jsonl
-from tasks.collect_offpolicy import import_pairs
 from tasks.jsonl import DataError
 from tasks.records import Message, PreferencePair, Rollout, parse_pair, parse_rollout
+from tasks.stages.collect_offpolicy import import_pairs
 
 STANDARD = {"prompt": "Review Alien.", "chosen": "A superb, tense classic.",
             "rejected": "Dull."}

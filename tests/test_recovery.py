@@ -80,7 +80,7 @@ def test_kill_minus_9_at_every_phase_then_resume_converges_on_one_ledger(ws):
     while stage is None and time.monotonic() < deadline and proc.poll() is None:
         with contextlib.suppress(psutil.Error):
             stage = next((c for c in cli.children(recursive=True)
-                          if "tasks.rollout" in " ".join(c.cmdline())), None)
+                          if "tasks.stages.rollout" in " ".join(c.cmdline())), None)
         time.sleep(0.05)
     assert stage is not None, proc.communicate()[0][-3000:]
     os.kill(proc.pid, signal.SIGKILL)

@@ -75,7 +75,7 @@ def test_failed_tick_leaves_the_workspace_as_before(ws):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ws, capture_output=True,
                           text=True).stdout.strip()
     params = (ws / "params.yaml").read_text()
-    (ws / "tasks" / "judge.py").write_text("raise SystemExit('judge is broken')\n")
+    (ws / "tasks" / "stages" / "judge.py").write_text("raise SystemExit('judge is broken')\n")
     proc = run_cli("tick", "--workspace", str(ws), check=False)
     assert proc.returncode != 0
     assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=ws, capture_output=True,

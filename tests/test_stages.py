@@ -19,11 +19,12 @@ from safetensors.torch import load_file
 from conftest import set_params as set_workspace_params
 
 from flows.workspace import DATA_DIRS
-from tasks import (collect_offpolicy, evaluate, jsonl, judge, layout, lm, prepare_model, prompts,
-                   reference_samples, reward_model, rollout, stage, train_rm, update)
+from tasks import jsonl, layout, lm, reward_model, stage
 from tasks.judges import LexiconJudge
 from tasks.params import load_params
 from tasks.records import PreferencePair, parse_pair, parse_rollout
+from tasks.stages import (collect_offpolicy, evaluate, judge, prepare_model, prompts,
+                          reference_samples, rollout, train_rm, update)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "params" / "tiny.yaml"
@@ -396,8 +397,8 @@ def test_evaluate_metrics(ws: Workspace) -> None:
 def test_best_of_n_baseline(ws: Workspace) -> None:
     """The reference's N candidates per prompt, reranked by the RM, against its single sample;
     the RM's pick is the argmax of its own scores, and the KL is the analytic log N - (N-1)/N."""
-    from tasks.evaluate import best_of_n, read_samples
     from tasks.reward_model import load_reward_model, reward_mean_std
+    from tasks.stages.evaluate import best_of_n, read_samples
     p = load_params(ws.path(layout.PARAMS_FILE)).evaluate.best_of_n
     m = ws.metrics(layout.metrics(1, "evaluate"))
     assert m["eval/bon_n"] == p.n and m["eval/bon_n_prompts"] == p.n_prompts

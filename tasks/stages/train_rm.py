@@ -26,6 +26,13 @@ from tasks.reward_model import (PROBE_FOLDS, EncodedPair, FrozenFeatures, Reward
                                 pair_margins, save_reward_model, save_stats, train_reward)
 
 
+CONTRACT = stage.Contract(
+    "train_rm", params=("device", "seed", "model.max_prompt_tokens", "train_rm"),
+    deps=lambda it, prev: (layout.pairs_pool(it), layout.policy(0), layout.AUDIT_LABELS),
+    outs=lambda it, prev: (layout.reward_model(it), layout.audit_queue(it)),
+    metrics=lambda it, prev: (layout.metrics(it, "train_rm"),))
+
+
 def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_id: int,
                   it: int, group: Group = SINGLE, device: Device = "cpu"
                   ) -> tuple[list[transformers.PreTrainedModel], dict[str, float],
@@ -77,10 +84,10 @@ def read_pool(root: Path, it: int) -> tuple[list[PreferencePair], dict[str, audi
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = stage.parse(argv, __doc__ or "")
+    args = stage.parse(argv, __doc__ or "", CONTRACT)
     p, it, root = args.params, args.it, args.root
     # epochs 0 (the probe alone, closed form): nothing to split, one process
-    group = distributed.enter("tasks.train_rm", argv,
+    group = distributed.enter("tasks.stages.train_rm", argv,
                               p.train_rm.processes if p.train_rm.epochs > 0 else 1)
     if group is None:                           # ran on N ranks under torchrun
         return
@@ -105,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     metrics.update(audit_metrics)
     metrics["rm/bf16"] = float(lm.effective_precision(p.train_rm.precision, args.device) == "bf16")
     metrics["rm/n_onpolicy"] = float(sum(1 for x in pairs if x.source.startswith("iter_")))
+
+
     new = [x for x in pool if x.source == f"iter_{it}"]         # the judge's labels, unaudited
     margins = (cache.margins(heads(ensemble), enc(new)) if cache is not None
                else pair_margins(ensemble, enc(new), tok.pad_token_id))

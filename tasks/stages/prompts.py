@@ -15,6 +15,12 @@ from tasks.jsonl import DataError
 from tasks.params import PromptParams
 
 
+CONTRACT = stage.Contract(
+    "prompts", params=("seed", "prompts"),
+    deps=lambda it, prev: ("${prompts.subjects_file}", "${prompts.templates_file}"),
+    outs=lambda it, prev: (layout.PROMPTS_TRAIN, layout.PROMPTS_HELDOUT))
+
+
 def read_lines(path: Path) -> list[str]:
     """Non-comment, non-blank lines of a UTF-8 text file; errors name file and line."""
     if not path.is_file():
@@ -48,7 +54,7 @@ def build_prompts(subjects: Sequence[str], templates: Sequence[str], p: PromptPa
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = stage.parse(argv, __doc__ or "")
+    args = stage.parse(argv, __doc__ or "", CONTRACT)
     p = args.params.prompts
     subjects = read_lines(args.root / p.subjects_file)
     templates = read_lines(args.root / p.templates_file)

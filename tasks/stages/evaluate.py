@@ -16,15 +16,26 @@ from pathlib import Path
 import torch
 
 from tasks import jsonl, layout, lm, stage
+from tasks.generation import load_prompts, sample_rollouts
 from tasks.gold import GoldEvaluator, GoldScore, gold_verdict, mean_nll
+from tasks.jsonl import DataError
 from tasks.judges import (PairwiseJudge, PointwiseJudge, Verdict, is_pointwise, judge_pair,
                           judge_pairs, make_judge, position_flipped)
-from tasks.jsonl import DataError
 from tasks.params import GenerationParams, MonitorParams, Params
 from tasks.records import Rollout, parse_rollout, prompt_to_record
 from tasks.reward_model import load_reward_model, reward_mean_std
-from tasks.rollout import load_prompts, sample_rollouts
 from tasks.winrate import win_rate
+
+
+CONTRACT = stage.Contract(
+    "evaluate",
+    params=("device", "seed", "model.max_prompt_tokens", "judge", "evaluate"),
+    deps=lambda it, prev: ("${evaluate.gold.register_examples_file}", layout.JUDGE_TEMPLATES,
+                           layout.PROMPTS_HELDOUT, layout.REFERENCE_SAMPLES,
+                           layout.BEST_OF_N_SAMPLES, layout.policy(it), layout.reward_model(it),
+                           layout.policy(0)),
+    outs=lambda it, prev: (layout.eval_samples(it),),
+    metrics=lambda it, prev: (layout.metrics(it, "evaluate"),))
 
 
 def untempered(gen: GenerationParams) -> bool:
@@ -54,6 +65,8 @@ def token_logprobs(model: torch.nn.Module, samples: Sequence[Rollout], pad_id: i
         lp, mask = lm.response_logprobs(model, [x.prompt_ids for x in chunk],
                                         [x.response_ids for x in chunk], pad_id)
         rows.extend(lp[i, : int(mask[i].sum())].tolist() for i in range(len(chunk)))
+
+
     return padded(rows)
 
 
@@ -187,7 +200,7 @@ def read_samples(path: str) -> list[Rollout]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = stage.parse(argv, __doc__ or "")
+    args = stage.parse(argv, __doc__ or "", CONTRACT)
     p, it, root = args.params, args.it, args.root
     pol_dir, ref_dir = root / layout.policy(it), root / layout.policy(0)
     policy, ref = lm.load_causal_lm(pol_dir, args.device), lm.load_causal_lm(ref_dir, args.device)

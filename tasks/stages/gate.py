@@ -13,6 +13,12 @@ from tasks.jsonl import DataError
 from tasks.params import GateParams
 
 
+CONTRACT = stage.Contract(
+    "gate", params=("gate",),
+    deps=lambda it, prev: (layout.metrics(it, "evaluate"),),
+    outs=lambda it, prev: (layout.gate(it),))
+
+
 def decide(metrics: dict[str, float], p: GateParams) -> dict[str, Any]:
     """Each check as (value, threshold, ok); passed iff every check is ok."""
     checks = {
@@ -39,7 +45,7 @@ def decide(metrics: dict[str, float], p: GateParams) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = stage.parse(argv, __doc__ or "")
+    args = stage.parse(argv, __doc__ or "", CONTRACT)
     path = args.root / layout.metrics(args.it, "evaluate")
     try:
         metrics = json.loads(path.read_text())

@@ -1,4 +1,5 @@
-"""Stage `judge`: the AI judge labels this iteration's rollouts (RLAIF).
+"""Preference pairs from a judge's verdicts: what the `judge` stage and the off-policy
+cold start (`collect_offpolicy`) both make of K samples per prompt.
 
 For each prompt the judge scores its K samples; best and worst (and, with `pairs_per_prompt` > 1,
 second best and second worst, ...) are compared in both orders and become preference pairs when
@@ -20,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from tasks import audit, jsonl, layout, stage
+from tasks import audit
 from tasks.judges import (LexiconJudge, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
                           judge_pair, judge_pairs, make_judge, position_flipped, verdict_rates)
 from tasks.params import JudgeParams
-from tasks.records import PreferencePair, Prompt, Rollout, Sampled, parse_pair, parse_rollout
+from tasks.records import PreferencePair, Prompt, Rollout, Sampled
 
 # (prompt, response texts, meta for its pairs[, each response's sampled tokens])
 Group = tuple[Prompt, Sequence[str], dict[str, object]] \
@@ -268,32 +269,7 @@ def rollout_groups(rollouts: Sequence[Rollout], iteration: int) -> list[Group]:
             for pid, grp in groupby(rollouts, key=lambda r: r.prompt_id) for rs in [list(grp)]]
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = stage.parse(argv, __doc__ or "")
-    it, root = args.it, args.root
-    path = str(root / layout.rollouts(it))
-    rollouts = [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
-    groups = rollout_groups(rollouts, it)
-    jp = args.params.judge
-    judge = make_judge(jp, root, args.device)
-    pairs, new, metrics = judge_all(judge, groups, f"iter_{it}", jp, root)
-    pool_path = str(root / layout.pairs_pool(it - 1))
-    pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
-    labels_path = root / layout.AUDIT_LABELS
-    audit.ensure_labels_file(labels_path)
-    metrics.update(audit_agreement(judge, pool, audit.parse_labels(labels_path), "judge/"))
-    jsonl.write(root / layout.pairs(it), (p.to_record() for p in pairs))
-    jsonl.write(root / layout.pairs_pool(it), (p.to_record() for p in pool + new))
-    metrics["judge/pool_size"] = float(len(pool) + len(new))
-    stage.write_metrics(root, layout.metrics(it, "judge"), metrics)
-    print(f"judge@{it}: {len(pairs)} pairs from {len(groups)} prompts, {len(new)} for the reward "
-          f"model; pool {len(pool) + len(new)}")
-
-
 def pool_margin(jp: JudgeParams) -> float | None:
     """The score gap that makes a margin pair (pool_pairs: all), None for ranked pairs only."""
     return max(jp.pool_margin, jp.tie_margin) if jp.pool_pairs == "all" else None
 
-
-if __name__ == "__main__":
-    stage.run_main(lambda: main())

@@ -6,11 +6,19 @@ With `evaluate.best_of_n.n` > 0 it also draws N more samples for the first
 from __future__ import annotations
 
 from tasks import jsonl, layout, lm, stage
-from tasks.rollout import load_prompts, sample_rollouts
+from tasks.generation import load_prompts, sample_rollouts
+
+
+CONTRACT = stage.Contract(
+    "reference_samples",
+    params=("device", "seed", "model.max_prompt_tokens", "evaluate.n_prompts",
+            "evaluate.generation", "evaluate.best_of_n"),
+    deps=lambda it, prev: (layout.PROMPTS_HELDOUT, layout.policy(0)),
+    outs=lambda it, prev: (layout.REFERENCE_SAMPLES, layout.BEST_OF_N_SAMPLES))
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = stage.parse(argv, __doc__ or "")
+    args = stage.parse(argv, __doc__ or "", CONTRACT)
     p, root = args.params, args.root
     ref_dir = root / layout.policy(0)
     ref, tok = lm.load_causal_lm(ref_dir, args.device), lm.load_tokenizer(ref_dir)

@@ -14,13 +14,22 @@ from pathlib import Path
 
 from tasks import jsonl, layout, lm, stage
 from tasks.device import Device
-from tasks.judge import judge_all, rollout_groups
-from tasks.judges import make_judge
+from tasks.generation import load_prompts, sample_rollouts
 from tasks.jsonl import DataError
+from tasks.judges import make_judge
+from tasks.labelling import judge_all, rollout_groups
 from tasks.pair_import import read_pairs
 from tasks.params import Params
 from tasks.records import PreferencePair
-from tasks.rollout import load_prompts, sample_rollouts
+
+
+CONTRACT = stage.Contract(
+    "collect_offpolicy",
+    params=("device", "seed", "model.max_prompt_tokens", "offpolicy", "judge"),
+    deps=lambda it, prev: (layout.JUDGE_TEMPLATES, layout.IMPORT_DIR, layout.PROMPTS_TRAIN,
+                           layout.policy(0)),
+    outs=lambda it, prev: (layout.pairs_pool(0),),
+    metrics=lambda it, prev: (layout.OFFPOLICY_METRICS,))
 
 
 def import_pairs(path: Path, root: Path | None = None) -> list[PreferencePair]:
@@ -65,7 +74,7 @@ def cold_start(p: Params, root: Path, device: Device = "cpu"
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = stage.parse(argv, __doc__ or "")
+    args = stage.parse(argv, __doc__ or "", CONTRACT)
     p, root = args.params, args.root
     if p.offpolicy.source == "import":
         pairs = import_pairs(root / p.offpolicy.import_path, root)

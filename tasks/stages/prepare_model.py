@@ -16,6 +16,12 @@ from pathlib import Path
 from tasks import atomic, layout, lm, mlflow_model, model_card, stage
 from tasks.params import ModelParams
 
+
+CONTRACT = stage.Contract(
+    "prepare_model", params=("seed", "model"),
+    outs=lambda it, prev: (layout.policy(0),))
+
+
 _HF_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja")
 WORKSPACE_CACHE = ".alignloop/cache"     # inside flows.workspace.STATE_DIR (git-ignored)
 
@@ -58,6 +64,7 @@ def prepare(p: ModelParams, seed: int, out_dir: Path, root: Path) -> dict[str, o
         from tasks.tiny_model import CACHE_ENV, save_tiny
         info = save_tiny(p.tiny, seed, out_dir,
                          Path(os.environ.get(CACHE_ENV) or root / WORKSPACE_CACHE))
+
     elif p.source == "gguf":
         from tasks.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
         info = convert_gguf_to_hf(find_packaged_gguf(p.gguf_package, p.gguf_file or None), out_dir)
@@ -70,7 +77,7 @@ def prepare(p: ModelParams, seed: int, out_dir: Path, root: Path) -> dict[str, o
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = stage.parse(argv, __doc__ or "")
+    args = stage.parse(argv, __doc__ or "", CONTRACT)
     out = args.root / layout.policy(0)
     t0 = time.perf_counter()
     with atomic.directory(out) as tmp:

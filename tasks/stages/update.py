@@ -27,6 +27,16 @@ from tasks.records import Rollout, parse_pair, parse_rollout
 from tasks.reward_model import encode_pairs, load_reward_model, load_stats, rewards
 
 
+CONTRACT = stage.Contract(
+    "update",
+    params=("device", "seed", "model.max_prompt_tokens", "update",
+            "offpolicy.source"),      # update.dpo.offpolicy_mix: auto resolves by it
+    deps=lambda it, prev: (layout.pairs(it), layout.rollouts(it), layout.pairs_pool(prev),
+                           layout.reward_model(it), layout.policy(0), layout.policy(prev)),
+    outs=lambda it, prev: (layout.policy(it),),
+    metrics=lambda it, prev: (layout.metrics(it, "update"),))
+
+
 def reference_dir(p: Params, it: int) -> str:
     return layout.policy(0) if p.update.reference == "initial" else layout.policy(it - 1)
 
@@ -139,9 +149,9 @@ def write_policy(policy: torch.nn.Module, tok: object, p: Params, root: Path, it
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = stage.parse(argv, __doc__ or "")
+    args = stage.parse(argv, __doc__ or "", CONTRACT)
     p, it, root = args.params, args.it, args.root
-    group = distributed.enter("tasks.update", argv, p.update.processes)
+    group = distributed.enter("tasks.stages.update", argv, p.update.processes)
     if group is None:                         # ran on N ranks under torchrun
         return
     start_dir = root / layout.policy(it - 1)

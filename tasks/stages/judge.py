@@ -1,0 +1,47 @@
+"""Stage `judge`: the AI judge labels this iteration's rollouts (RLAIF).
+
+The judge's verdicts become DPO's pairs (best vs worst of each prompt's K samples) and the
+reward model's new pool pairs; how, in tasks/labelling.py. The pool of the previous iteration
+is carried forward with the new pairs appended (off-policy cold start, on-policy iteration),
+and the judge's agreement with the person's audit labels is measured on it.
+"""
+from __future__ import annotations
+
+from tasks import audit, jsonl, layout, stage
+from tasks.judges import make_judge
+from tasks.labelling import audit_agreement, judge_all, rollout_groups
+from tasks.records import parse_pair, parse_rollout
+
+
+CONTRACT = stage.Contract(
+    "judge", params=("device", "judge"),
+    deps=lambda it, prev: (layout.JUDGE_TEMPLATES, layout.rollouts(it), layout.pairs_pool(prev),
+                           layout.AUDIT_LABELS),
+    outs=lambda it, prev: (layout.pairs(it), layout.pairs_pool(it)),
+    metrics=lambda it, prev: (layout.metrics(it, "judge"),))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = stage.parse(argv, __doc__ or "", CONTRACT)
+    it, root = args.it, args.root
+    path = str(root / layout.rollouts(it))
+    rollouts = [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
+    groups = rollout_groups(rollouts, it)
+    jp = args.params.judge
+    judge = make_judge(jp, root, args.device)
+    pairs, new, metrics = judge_all(judge, groups, f"iter_{it}", jp, root)
+    pool_path = str(root / layout.pairs_pool(it - 1))
+    pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
+    labels_path = root / layout.AUDIT_LABELS
+    audit.ensure_labels_file(labels_path)
+    metrics.update(audit_agreement(judge, pool, audit.parse_labels(labels_path), "judge/"))
+    jsonl.write(root / layout.pairs(it), (p.to_record() for p in pairs))
+    jsonl.write(root / layout.pairs_pool(it), (p.to_record() for p in pool + new))
+    metrics["judge/pool_size"] = float(len(pool) + len(new))
+    stage.write_metrics(root, layout.metrics(it, "judge"), metrics)
+    print(f"judge@{it}: {len(pairs)} pairs from {len(groups)} prompts, {len(new)} for the reward "
+          f"model; pool {len(pool) + len(new)}")
+
+
+if __name__ == "__main__":
+    stage.run_main(lambda: main())

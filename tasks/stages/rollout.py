@@ -1,0 +1,54 @@
+"""Stage `rollout`: K on-policy samples per prompt from the current policy.
+
+Each rollout keeps what off-policy reuse needs later: prompt and response token ids, the
+sampler's per-token log-probs, whether it ended with EOS or was truncated, the sampling
+settings, and the version (weights md5) and iteration of the policy that produced it
+(tasks/generation.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tasks import jsonl, layout, lm, stage
+from tasks.generation import load_prompts, sample_rollouts
+from tasks.records import Rollout
+
+
+CONTRACT = stage.Contract(
+    "rollout", params=("device", "seed", "model.max_prompt_tokens", "rollout"),
+    deps=lambda it, prev: (layout.PROMPTS_TRAIN, layout.policy(prev)),
+    outs=lambda it, prev: (layout.rollouts(it),),
+    metrics=lambda it, prev: (layout.metrics(it, "rollout"),))
+
+
+def rollout_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    n = max(len(rollouts), 1)
+    return {
+        "rollout/n": float(len(rollouts)),
+        "rollout/mean_length": sum(len(r.response_ids) for r in rollouts) / n,
+        "rollout/truncated_rate": sum(not r.finished for r in rollouts) / n,
+        "rollout/mean_logprob": sum(sum(r.logprobs) for r in rollouts) / n,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = stage.parse(argv, __doc__ or "", CONTRACT)
+    p, it = args.params, args.it
+    policy_dir = args.root / layout.policy(it - 1)
+    tok = lm.load_tokenizer(policy_dir)
+    # with Ray workers each loads its own replica: the stage process needs none
+    model = lm.load_causal_lm(policy_dir, args.device) if p.rollout.workers == 1 else None
+    prompts = load_prompts(str(args.root / layout.PROMPTS_TRAIN), p.rollout.n_prompts,
+                           offset=(it - 1) * p.rollout.n_prompts)
+    rollouts = sample_rollouts(model, tok, prompts, p.rollout.samples_per_prompt,
+                               p.rollout.generation, p.model.max_prompt_tokens,
+                               lm.weights_md5(policy_dir), it, stage.generator(p.seed, 1, it),
+                               p.rollout.workers, policy_dir)
+    jsonl.write(args.root / layout.rollouts(it), (r.to_record() for r in rollouts))
+    metrics = rollout_metrics(rollouts)
+    stage.write_metrics(args.root, layout.metrics(it, "rollout"), metrics)
+    print(f"rollout@{it}: {len(rollouts)} samples from {layout.policy(it - 1)}")
+
+
+if __name__ == "__main__":
+    stage.run_main(lambda: main())
