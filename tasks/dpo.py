@@ -21,9 +21,9 @@ from tasks import lm, progress
 from tasks.device import device_of
 from tasks.distributed import SINGLE, Group, record_losses
 from tasks.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES, dpo_implicit_rewards
-from tasks.params import DPOParams
 from tasks.records import Rollout
 from tasks.reward_model import EncodedPair, RewardModel, reward_mean_std
+from tasks.schemas.update import DPOParams
 
 
 def _pair_logprobs(model: torch.nn.Module, batch: Sequence[EncodedPair], pad_id: int,

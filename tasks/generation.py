@@ -15,8 +15,8 @@ import torch
 import transformers
 
 from tasks import jsonl, lm, sampling
-from tasks.params import GenerationParams
 from tasks.records import Prompt, Rollout, parse_prompt
+from tasks.schemas.generation import GenerationParams
 
 
 def load_prompts(path: str, limit: int | None = None,

@@ -33,7 +33,7 @@ from torch import Tensor
 from tasks.device import Device
 from tasks.genre import RegisterClassifier
 from tasks.judges import Verdict
-from tasks.params import GoldParams
+from tasks.schemas.evaluate import GoldParams
 
 
 @dataclass(frozen=True)

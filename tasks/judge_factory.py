@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.pairwise import PairwiseLLMJudge, cache_path, load_template
-from tasks.params import JudgeParams
+from tasks.schemas.judge import JudgeParams
 from tasks.verdict_cache import VerdictCache
 
 

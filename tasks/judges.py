@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from tasks.params import JudgeParams
 from tasks.records import Prompt
+from tasks.schemas.judge import JudgeParams
 
 Verdict = Literal["A", "B", "tie", "invalid"]
 VERDICTS: tuple[Verdict, ...] = ("A", "B", "tie", "invalid")

@@ -24,8 +24,8 @@ import torch
 from tasks import audit
 from tasks.judges import (LexiconJudge, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
                           judge_pair, judge_pairs, make_judge, position_flipped, verdict_rates)
-from tasks.params import JudgeParams
 from tasks.records import PreferencePair, Prompt, Rollout, Sampled
+from tasks.schemas.judge import JudgeParams
 
 # (prompt, response texts, meta for its pairs[, each response's sampled tokens])
 Group = tuple[Prompt, Sequence[str], dict[str, object]] \

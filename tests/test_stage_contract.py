@@ -3,9 +3,16 @@ it declares, and an edit reruns the stages that declare what was edited (real DV
 the shared tiny run's workspace)."""
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from conftest import TINY
+from conftest import TINY, copy_workspace
 from tasks.params import load_params
 from tasks.stage import Contract, Declared, UndeclaredParam
 
@@ -32,3 +39,77 @@ def test_declares_reads_sections_and_keys() -> None:
     assert c.declares("device") and c.declares("update.dpo.beta") and c.declares("offpolicy.source")
     assert not c.declares("offpolicy") and not c.declares("offpolicy.n_prompts")
     assert not c.declares("seed") and not c.declares("updates")
+
+
+# --- on a real workspace: what DVC reruns after an edit ---------------------------------------
+
+def dvc(ws: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """DVC in the workspace as a person runs it there; stage commands find this interpreter."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=ws, capture_output=True,
+                          text=True, env=env, timeout=900)
+
+
+def changed(ws: Path) -> set[str]:
+    """The stage instances `dvc status` finds out of date."""
+    proc = dvc(ws, "status", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return set(json.loads(proc.stdout or "{}"))
+
+
+def add_field(path: Path, line: str) -> None:
+    """A developer's edit of a schema module: one more field, with a default, at the end of
+    the module's last class."""
+    path.write_text(path.read_text().rstrip("\n") + f"\n{line}\n")
+
+
+def all_stages(ws: Path) -> list[str]:
+    """Every stage instance of the workspace's pipeline, as `dvc status` names them."""
+    proc = dvc(ws, "stage", "list", "--name-only")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
+def instances(*stages: str) -> set[str]:
+    loops = {"rollout", "judge", "train_rm", "update", "evaluate", "gate"}
+    return {f"{s}@{k}" if s in loops else s for s in stages for k in ("1", "2")}
+
+
+def test_editing_one_sections_schema_reruns_only_the_stages_that_read_it(
+        tiny_run: dict[str, object], tmp_path: Path) -> None:
+    ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")            # type: ignore[arg-type]
+    assert changed(ws) == set()                                      # the run left it current
+
+    add_field(ws / "tasks" / "schemas" / "targets.py", "    min_note: float = 0.0")
+    assert changed(ws) == set()                 # targets: read by the flow only, no stage's dep
+
+    add_field(ws / "tasks" / "schemas" / "judge.py", "    note: str = \"\"")
+    assert changed(ws) == instances("collect_offpolicy", "judge", "evaluate")   # its readers
+    dvc(ws, "commit", "--force", "--quiet")            # (that edit set aside: back to current)
+    assert changed(ws) == set()
+
+    add_field(ws / "tasks" / "schemas" / "gate.py", "    note: str = \"\"")
+    assert changed(ws) == instances("gate")
+    proc = dvc(ws, "repro")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ran = set(re.findall(r"Running stage '([^']+)'", proc.stdout))
+    assert ran == instances("gate")             # nothing before it reran; nothing follows it
+    assert changed(ws) == set()
+
+    (ws / "tasks" / "params.py").write_text((ws / "tasks" / "params.py").read_text() + "\n")
+    assert changed(ws) == set(all_stages(ws))  # the loader itself: every stage's dep
+
+
+def test_a_stage_that_reads_an_undeclared_key_stops_at_the_read(
+        tiny_run: dict[str, object], tmp_path: Path) -> None:
+    """A developer drops `gate` from the gate stage's contract and reruns it by hand: the stage
+    stops where it reads the key, naming it, before it decides anything."""
+    ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")            # type: ignore[arg-type]
+    module = ws / "tasks" / "stages" / "gate.py"
+    module.write_text(module.read_text().replace('params=("gate",)', 'params=()'))
+    proc = dvc(ws, "repro", "gate@1")
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "UndeclaredParam: stage gate reads params key gate, which its contract does not " \
+        "declare" in out
+    assert "gate@1: passed" not in out and "gate@1: failed" not in out

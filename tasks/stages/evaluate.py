@@ -21,9 +21,11 @@ from tasks.gold import GoldEvaluator, GoldScore, gold_verdict, mean_nll
 from tasks.jsonl import DataError
 from tasks.judges import (PairwiseJudge, PointwiseJudge, Verdict, is_pointwise, judge_pair,
                           judge_pairs, make_judge, position_flipped)
-from tasks.params import GenerationParams, MonitorParams, Params
+from tasks.params import Params
 from tasks.records import Rollout, parse_rollout, prompt_to_record
 from tasks.reward_model import load_reward_model, reward_mean_std
+from tasks.schemas.evaluate import MonitorParams
+from tasks.schemas.generation import GenerationParams
 from tasks.winrate import win_rate
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from tasks import atomic, layout, stage
 from tasks.jsonl import DataError
-from tasks.params import GateParams
+from tasks.schemas.gate import GateParams
 
 
 CONTRACT = stage.Contract(

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from tasks import atomic, layout, lm, mlflow_model, model_card, stage
-from tasks.params import ModelParams
+from tasks.schemas.model import ModelParams
 
 
 CONTRACT = stage.Contract(

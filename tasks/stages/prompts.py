@@ -12,7 +12,7 @@ from typing import Any
 
 from tasks import jsonl, layout, stage
 from tasks.jsonl import DataError
-from tasks.params import PromptParams
+from tasks.schemas.prompts import PromptParams
 
 
 CONTRACT = stage.Contract(

@@ -1,0 +1,14 @@
+"""On-policy sampling each iteration (`rollout:`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tasks.schemas.generation import GenerationParams
+
+
+@dataclass(frozen=True)
+class RolloutParams:
+    n_prompts: int = 16
+    samples_per_prompt: int = 4
+    generation: GenerationParams = field(default_factory=GenerationParams)
+    workers: int = 1            # Ray workers sampling shards of the batches (1 = no Ray)
