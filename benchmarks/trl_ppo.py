@@ -145,10 +145,11 @@ def run_ours(policy_dir: Path, ref_dir: Path, data: dict[str, Any], p: PPOParams
     from benchmarks.train_bench import _frozen_ref
     from tasks.ppo import train_ppo
     from tasks.records import Rollout
+    from tasks.schemas.generation import GenerationParams
     from tasks.value_head import ValueHead
     pad = lm.load_tokenizer(policy_dir).pad_token_id
     rollouts = [Rollout(f"bench-{i}", (), tuple(pr), tuple(r), tuple(lp), False, "", "bench", 1,
-                        {"temperature": 1.0})
+                        GenerationParams(temperature=1.0))
                 for i, (pr, r, lp) in enumerate(zip(data["prompts"], data["responses"],
                                                     data["logprobs"]))]
     policy, ref = lm.load_causal_lm(policy_dir), _frozen_ref(ref_dir)

@@ -271,6 +271,7 @@ def ppo_section(model_dir: Path, params: Params, pairs: Sequence[EncodedPair],
     chosen response, pi_old = the policy's own log-probs), through train_bench.bench_ppo."""
     from benchmarks.train_bench import bench_ppo
     from tasks.records import Rollout
+    from tasks.schemas.generation import GenerationParams
     model = lm.load_causal_lm(model_dir)
     pad = lm.load_tokenizer(model_dir).pad_token_id
     with torch.no_grad():
@@ -280,7 +281,7 @@ def ppo_section(model_dir: Path, params: Params, pairs: Sequence[EncodedPair],
     for i, e in enumerate(pairs):
         one = Rollout(f"bench-{i}", (), e.prompt_ids, e.chosen_ids,
                       tuple(logp[i, : len(e.chosen_ids)].tolist()), False, "", "bench", 1,
-                      {"temperature": 1.0})
+                      GenerationParams(temperature=1.0))
         rollouts += [one, one]                      # bench_ppo takes every second sample
     base = params.update.ppo
     p = replace(base, epochs=epochs or base.epochs)

@@ -8,7 +8,6 @@ collect_offpolicy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -49,11 +48,10 @@ def sample_rollouts(model: torch.nn.Module | None, tok: transformers.PreTrainedT
             policy_dir, rows, workers, **kw)
     else:
         samples = sampling.sample(model, rows, **kw)  # type: ignore[arg-type]
-    settings = asdict(gen)
     out = []
     for i, s in zip(flat, samples):
         pid, prompt = prompts[i]
         text = tok.decode(s.response_ids, skip_special_tokens=True).strip()
         out.append(Rollout(pid, prompt, tuple(ids[i]), s.response_ids, s.logprobs, s.finished,
-                           text, policy_version, iteration, settings))
+                           text, policy_version, iteration, gen))
     return out

@@ -113,6 +113,20 @@ def _forward_all(model: torch.nn.Module, head: ValueHead | None, rollouts: Seque
     return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
 
+def sampled_temperature(rollouts: Sequence[Rollout]) -> float:
+    """The one temperature a batch's rollouts were drawn at, from each one's stored sampling
+    settings: pi_old, pi and the reference are all scored at it, so a batch that mixes
+    temperatures (a reused iteration sampled at another one) is refused. An empty batch
+    scores nothing: 1.0."""
+    temps = sorted({r.sampling.temperature for r in rollouts})
+    if len(temps) > 1:
+        raise InputError(f"PPO's rollouts were sampled at different temperatures {temps}: "
+                         "pi_old and pi are scored at one; reuse "
+                         "(update.ppo.reuse.iterations_back: 1) needs the previous iteration "
+                         "sampled at this one's rollout.generation.temperature")
+    return temps[0] if temps else 1.0
+
+
 def make_experience(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
                     rollouts: Sequence[Rollout], scores: Tensor, n_reused: int,
                     p: PPOParams, pad_id: int, it: int, group: Group = SINGLE
@@ -120,7 +134,7 @@ def make_experience(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Modu
     """Fix pi_old, values, rewards, advantages and returns for a batch whose last n_reused
     rollouts are reused off-policy samples; returns the batch and its metrics (the same on
     every rank: what one rank computed is shared)."""
-    temperature = float(rollouts[0].sampling.get("temperature", 1.0))
+    temperature = sampled_temperature(rollouts)
     chunk = max(p.minibatch_size, 1)
     start_logprobs, values, mask = _forward_all(policy, head, rollouts, pad_id, temperature, chunk,
                                                 group)
@@ -217,7 +231,7 @@ def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
     t0 = time.perf_counter()
     rs, sc, n_reused = _select(list(rollouts), scores, list(reused), reused_scores, p, it)
     exp, metrics = make_experience(policy, head, ref, rs, sc, n_reused, p, pad_id, it, group)
-    temperature = float(rs[0].sampling.get("temperature", 1.0))
+    temperature = sampled_temperature(rs)
     opt = torch.optim.AdamW([{"params": list(policy.parameters()), "lr": p.lr},
                              {"params": list(head.parameters()), "lr": p.value_lr}],
                             weight_decay=0.0)

@@ -10,11 +10,13 @@ Both normalise to a PreferencePair whose prompt is a tuple of chat messages.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.jsonl import DataError
 from tasks.pair_formats import explicit
+from tasks.schemas.generation import GenerationParams
 
 ROLES = ("system", "user", "assistant")
 
@@ -78,13 +80,15 @@ class Rollout:
     text: str
     policy: str                       # version of the policy that sampled it (md5 of its weights)
     iteration: int
-    sampling: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    sampling: GenerationParams = field(default_factory=GenerationParams, hash=False,
+                                       compare=False)   # the settings it was drawn with
 
     def to_record(self) -> dict[str, Any]:
         return {"prompt_id": self.prompt_id, "prompt": prompt_to_record(self.prompt),
                 "prompt_ids": list(self.prompt_ids), "response_ids": list(self.response_ids),
                 "logprobs": list(self.logprobs), "finished": self.finished, "text": self.text,
-                "policy": self.policy, "iteration": self.iteration, "sampling": self.sampling}
+                "policy": self.policy, "iteration": self.iteration,
+                "sampling": dataclasses.asdict(self.sampling)}
 
 
 def prompt_to_record(prompt: Prompt) -> list[dict[str, str]]:
@@ -185,8 +189,30 @@ def _sampled(rec: dict[str, Any], chosen: str, rejected: str, where: str) -> dic
     return out
 
 
+def parse_sampling(value: Any, where: str) -> GenerationParams:
+    """A rollout's stored sampling settings: every field of GenerationParams, of its type."""
+    if not isinstance(value, dict):
+        raise DataError(f"{where}: field 'sampling' must be a mapping of the sampling settings")
+    fields = {f.name: f for f in dataclasses.fields(GenerationParams)}
+    for name in sorted(set(fields) | set(value)):
+        if name not in fields:
+            raise DataError(f"{where}: field 'sampling.{name}' is not a sampling setting "
+                            f"(have: {', '.join(fields)})")
+        if name not in value:
+            raise DataError(f"{where}: missing field 'sampling.{name}'")
+        v, whole = value[name], fields[name].type == "int"    # the annotations are strings
+        if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)):
+            raise DataError(f"{where}: field 'sampling.{name}' must be "
+                            f"{'an integer' if whole else 'a number'}, got {v!r}")
+    return GenerationParams(**{k: v if fields[k].type == "int" else float(v)
+                               for k, v in value.items()})
+
+
 def parse_rollout(rec: dict[str, Any], source: str, line: int) -> Rollout:
     where = _where(source, line)
+    if "sampling" not in rec:
+        raise DataError(f"{where}: missing field 'sampling'")
+    sampling = parse_sampling(rec["sampling"], where)
     try:
         r = Rollout(
             prompt_id=str(rec["prompt_id"]), prompt=parse_prompt(rec, where),
@@ -194,7 +220,7 @@ def parse_rollout(rec: dict[str, Any], source: str, line: int) -> Rollout:
             response_ids=tuple(int(t) for t in rec["response_ids"]),
             logprobs=tuple(float(x) for x in rec["logprobs"]), finished=bool(rec["finished"]),
             text=str(rec["text"]), policy=str(rec["policy"]), iteration=int(rec["iteration"]),
-            sampling=dict(rec.get("sampling", {})))
+            sampling=sampling)
     except KeyError as e:
         raise DataError(f"{where}: missing field '{e.args[0]}'") from None
     except (TypeError, ValueError) as e:

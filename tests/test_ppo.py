@@ -24,6 +24,7 @@ from tasks.params import PPOParams, ReuseParams
 from tasks.ppo import (REPLAY_FILE, gae, make_experience, minibatch_loss, prompt_minibatches,
                        shape_scores, token_rewards, train_ppo)
 from tasks.records import Message, Rollout
+from tasks.schemas.generation import GenerationParams
 from tasks.stages import (collect_offpolicy, judge, prepare_model, prompts, reference_samples,
                           rollout, train_rm, update)
 
@@ -167,7 +168,7 @@ def fake_rollouts(policy: torch.nn.Module, n: int, seed: int, it: int = 1,
         fin = finished[i] if finished else True
         out.append(Rollout(f"p{i // 2}", (Message("user", "x"),), prompt, resp,
                            tuple(float(x) - shift for x in lp[0, :length]), fin, "", "md5", it,
-                           {"temperature": 1.0}))
+                           GenerationParams(temperature=1.0)))
     return out
 
 

@@ -12,6 +12,7 @@ import pytest
 from tasks import atomic, jsonl
 from tasks.jsonl import DataError
 from tasks.records import Message, PreferencePair, Rollout, parse_pair, parse_rollout
+from tasks.schemas.generation import GenerationParams
 from tasks.stages.collect_offpolicy import import_pairs
 
 STANDARD = {"prompt": "Review Alien.", "chosen": "A superb, tense classic.",
@@ -137,7 +138,7 @@ def test_pair_message_with_empty_content() -> None:
 
 def test_rollout_roundtrip_and_logprob_count_check() -> None:
     r = Rollout("p1", (Message("user", "hi"),), (5, 6), (7, 3), (-1.5, -0.2), True, "x",
-                "md5", 1, {"temperature": 1.0})
+                "md5", 1, GenerationParams(temperature=1.0))
     assert parse_rollout(r.to_record(), "r.jsonl", 1) == r
     bad = {**r.to_record(), "logprobs": [-1.5]}
     with pytest.raises(DataError, match=r"^r.jsonl:4: field 'logprobs' has 1 entries for 2"):
@@ -145,6 +146,44 @@ def test_rollout_roundtrip_and_logprob_count_check() -> None:
     missing = {k: v for k, v in r.to_record().items() if k != "policy"}
     with pytest.raises(DataError, match=r"^r.jsonl:5: missing field 'policy'"):
         parse_rollout(missing, "r.jsonl", 5)
+
+
+def test_rollout_sampling_settings_read_back_typed_and_whole() -> None:
+    """The settings a rollout was drawn with come back as GenerationParams, each field checked:
+    none read back with a silent default (PPO scores at the stored temperature)."""
+    gen = GenerationParams(max_new_tokens=40, temperature=0.7, top_p=0.9, batch_size=8)
+    r = Rollout("p1", (Message("user", "hi"),), (5,), (7,), (-1.5,), True, "x", "md5", 1, gen)
+    rec = json.loads(json.dumps(r.to_record()))            # as the JSONL file holds it
+    assert rec["sampling"] == {"max_new_tokens": 40, "temperature": 0.7, "top_p": 0.9,
+                               "batch_size": 8}
+    assert parse_rollout(rec, "r.jsonl", 1).sampling == gen
+    assert parse_rollout({**rec, "sampling": {**rec["sampling"], "temperature": 1}},
+                         "r.jsonl", 1).sampling.temperature == 1.0
+    cases = {"missing field 'sampling.temperature'":
+             {k: v for k, v in rec["sampling"].items() if k != "temperature"},
+             "field 'sampling.temperature' must be a number, got 'hot'":
+             {**rec["sampling"], "temperature": "hot"},
+             "field 'sampling.batch_size' must be an integer, got 8.5":
+             {**rec["sampling"], "batch_size": 8.5},
+             "field 'sampling.seed' is not a sampling setting": {**rec["sampling"], "seed": 1},
+             "field 'sampling' must be a mapping": [0.7]}
+    for msg, sampling in cases.items():
+        with pytest.raises(DataError, match=r"^r\.jsonl:3: " + re.escape(msg)):
+            parse_rollout({**rec, "sampling": sampling}, "r.jsonl", 3)
+    with pytest.raises(DataError, match=r"^r\.jsonl:3: missing field 'sampling'$"):
+        parse_rollout({k: v for k, v in rec.items() if k != "sampling"}, "r.jsonl", 3)
+
+
+def test_ppo_refuses_a_batch_sampled_at_two_temperatures() -> None:
+    from tasks.errors import InputError
+    from tasks.ppo import sampled_temperature
+    one = Rollout("p1", (Message("user", "hi"),), (5,), (7,), (-1.5,), True, "x", "md5", 1,
+                  GenerationParams(temperature=0.7))
+    assert sampled_temperature([one, one]) == 0.7
+    other = Rollout("p1", (Message("user", "hi"),), (5,), (7,), (-1.5,), True, "x", "md5", 0,
+                    GenerationParams(temperature=1.0))
+    with pytest.raises(InputError, match=r"different temperatures \[0\.7, 1\.0\]"):
+        sampled_temperature([one, other])
 
 
 # --- import_pairs -----------------------------------------------------------------------------

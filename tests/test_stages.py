@@ -173,7 +173,7 @@ def test_rollouts_carry_one_logprob_per_response_token(ws: Workspace) -> None:
         assert r.iteration == 1 and r.policy == ws.policy0_md5
         assert r.finished == (r.response_ids[-1] == tok.eos_token_id)
         assert list(r.prompt_ids) == lm.render_prompt(tok, r.prompt, p.model.max_prompt_tokens)
-        assert r.sampling["temperature"] == p.rollout.generation.temperature
+        assert r.sampling.temperature == p.rollout.generation.temperature
     counts: dict[str, int] = {}
     for _, rec in recs:
         counts[rec["prompt_id"]] = counts.get(rec["prompt_id"], 0) + 1

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,7 +24,7 @@ from tasks.jsonl import DataError
 from tasks.judges import (PairwiseJudge, PointwiseJudge, Verdict, is_pointwise, judge_pair,
                           judge_pairs, make_judge, position_flipped)
 from tasks.params import Params
-from tasks.records import Rollout, parse_rollout, prompt_to_record
+from tasks.records import Prompt, Rollout, parse_rollout, prompt_to_record
 from tasks.reward_model import load_reward_model, reward_mean_std
 from tasks.schemas.evaluate import MonitorParams
 from tasks.schemas.generation import GenerationParams
@@ -201,45 +203,42 @@ def read_samples(path: str) -> list[Rollout]:
     return [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = stage.parse(argv, __doc__ or "", CONTRACT)
-    p, it, root = args.params, args.it, args.root
-    pol_dir, ref_dir = root / layout.policy(it), root / layout.policy(0)
-    policy, ref = lm.load_causal_lm(pol_dir, args.device), lm.load_causal_lm(ref_dir, args.device)
-    tok = lm.load_tokenizer(pol_dir)
-    pad = tok.pad_token_id
-    heldout_path = str(root / layout.PROMPTS_HELDOUT)
-    prompts = load_prompts(heldout_path, p.evaluate.n_prompts)
-    subject_of = {str(r.get("prompt_id")): str(r.get("subject", "")) for _, r in
-                  jsonl.read(heldout_path)}
-    subjects = [subject_of[pid] for pid, _ in prompts]
-    gen, mpt = p.evaluate.generation, p.model.max_prompt_tokens
-    # 1. the policy's responses; the reference's were drawn once by reference_samples
-    pol = sample_rollouts(policy, tok, prompts, 1, gen, mpt, lm.weights_md5(pol_dir), it,
-                          stage.generator(p.seed, 4, it), p.evaluate.workers, pol_dir)
-    ref_path = str(root / layout.REFERENCE_SAMPLES)
-    refs = read_samples(ref_path)
-    if [r.prompt_id for r in refs] != [pid for pid, _ in prompts]:
-        raise DataError(f"{ref_path}: reference samples are for other prompts than "
-                        f"{layout.PROMPTS_HELDOUT}; rerun reference_samples")
-    # 2. log-probs: the reference scores the policy's samples (KL, fluency); the samples'
-    # own log-probs are the stored ones when sampling was untempered
-    ref_on_pol, mask = token_logprobs(ref, pol, pad)
-    pol_logp = (padded([s.logprobs for s in pol])[0] if untempered(gen)
-                else token_logprobs(policy, pol, pad)[0])
-    ref_logp, ref_mask = (padded([s.logprobs for s in refs]) if untempered(gen)
-                          else token_logprobs(ref, refs, pad))
-    del policy
-    # 3. judge, gold and reward model verdicts
-    judge = make_judge(p.judge, root, args.device)   # built once: an llm judge loads a model
+@dataclass(frozen=True)
+class LogProbs:
+    """Per-token log-probs evaluate needs, each (B, R) with its mask: the reference's on the
+    policy's samples (KL, fluency), the policy's own, and the reference's on its own samples
+    (the stored sampler log-probs when sampling was untempered)."""
+    ref_on_pol: torch.Tensor
+    mask: torch.Tensor
+    pol: torch.Tensor
+    ref: torch.Tensor
+    ref_mask: torch.Tensor
+
+    @staticmethod
+    def of(policy: torch.nn.Module, ref: torch.nn.Module, pol: Sequence[Rollout],
+           refs: Sequence[Rollout], gen: GenerationParams, pad: int) -> LogProbs:
+        ref_on_pol, mask = token_logprobs(ref, pol, pad)
+        pol_logp = (padded([s.logprobs for s in pol])[0] if untempered(gen)
+                    else token_logprobs(policy, pol, pad)[0])
+        ref_logp, ref_mask = (padded([s.logprobs for s in refs]) if untempered(gen)
+                              else token_logprobs(ref, refs, pad))
+        return LogProbs(ref_on_pol, mask, pol_logp, ref_logp, ref_mask)
+
+
+def evaluate_samples(p: Params, pol: Sequence[Rollout], refs: Sequence[Rollout],
+                     subjects: Sequence[str], logp: LogProbs,
+                     judge: PointwiseJudge | PairwiseJudge, gold: GoldEvaluator,
+                     rm: torch.nn.Module, candidates: Sequence[Rollout], candidates_path: str,
+                     pad: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The core, no files: the policy's samples against the reference's by the judge, gold and
+    this iteration's RM, the KL and length, Best-of-N on `candidates` (the reference's N per
+    prompt; none when off) and the monitors; returns the metrics and one row per prompt."""
     metrics, verdicts = compare(judge, pol, refs, p.evaluate.bootstrap, p.seed)
-    gold = GoldEvaluator(p.evaluate.gold, root, args.device)
     g_metrics, g_verdicts, g_pol, g_ref = gold_compare(
-        gold, pol, refs, subjects, mean_nll(ref_on_pol, mask), mean_nll(ref_logp, ref_mask),
-        p.evaluate.bootstrap, p.seed)
+        gold, pol, refs, subjects, mean_nll(logp.ref_on_pol, logp.mask),
+        mean_nll(logp.ref, logp.ref_mask), p.evaluate.bootstrap, p.seed)
     metrics.update(g_metrics)
     metrics.update(quality_metrics(g_pol, g_ref))
-    rm = load_reward_model(root / layout.reward_model(it), args.device)
     (r_pol, sd_pol), (r_ref, sd_ref) = (
         reward_mean_std(rm, [s.prompt_ids for s in x], [s.response_ids for s in x], pad)
         for x in (pol, refs))
@@ -251,44 +250,93 @@ def main(argv: list[str] | None = None) -> None:
         "eval/rm_win_rate": rm_wr["win_rate"], "eval/rm_win_rate_ci_low": rm_wr["ci_low"],
         "eval/rm_win_rate_ci_high": rm_wr["ci_high"],
         "eval/rm_score": float(r_pol.mean()), "eval/ref_rm_score": float(r_ref.mean()),
-        "eval/kl": kl_per_response(pol_logp, ref_on_pol, mask),
+        "eval/kl": kl_per_response(logp.pol, logp.ref_on_pol, logp.mask),
         "eval/length": len_pol, "eval/ref_length": len_ref,
         "eval/length_ratio": len_pol / max(len_ref, 1e-9),
     })
-    # 4. Best-of-N: the reference reranked by this iteration's RM, on the first prompts
-    bon = p.evaluate.best_of_n
-    if bon.n > 0:
-        metrics.update(evaluate_best_of_n(p, root, rm, gold, judge, refs, subjects, pad))
+    if p.evaluate.best_of_n.n > 0:      # the reference reranked by this RM, first prompts
+        metrics.update(evaluate_best_of_n(p, candidates, candidates_path, rm, gold, judge,
+                                          refs, subjects, pad))
     metrics["eval/judge_gold_gap"] = metrics["eval/win_rate"] - metrics["eval/gold_win_rate"]
     metrics.update(hacking_flags(metrics, p.evaluate.monitors))
-    jsonl.write(root / layout.eval_samples(it), (
-        {"prompt_id": a.prompt_id, "subject": subj, "prompt": prompt_to_record(a.prompt),
-         "policy": a.text, "reference": b.text, "judge_verdict": v, "gold_verdict": gv,
-         "on_topic_policy": ga.on_topic, "on_topic_reference": gb.on_topic,
-         "similarity_policy": ga.similarity, "similarity_reference": gb.similarity,
-         "nll_policy": ga.nll, "nll_reference": gb.nll,
-         "review_policy": ga.review, "review_reference": gb.review,
-         "register_policy": ga.register, "register_reference": gb.register,
-         "rm_policy": float(x), "rm_reference": float(y)}
-        for a, b, subj, v, gv, ga, gb, x, y in zip(pol, refs, subjects, verdicts, g_verdicts,
-                                                   g_pol, g_ref, r_pol.tolist(),
-                                                   r_ref.tolist())))
+    rows = [{"prompt_id": a.prompt_id, "subject": subj, "prompt": prompt_to_record(a.prompt),
+             "policy": a.text, "reference": b.text, "judge_verdict": v, "gold_verdict": gv,
+             "on_topic_policy": ga.on_topic, "on_topic_reference": gb.on_topic,
+             "similarity_policy": ga.similarity, "similarity_reference": gb.similarity,
+             "nll_policy": ga.nll, "nll_reference": gb.nll,
+             "review_policy": ga.review, "review_reference": gb.review,
+             "register_policy": ga.register, "register_reference": gb.register,
+             "rm_policy": float(x), "rm_reference": float(y)}
+            for a, b, subj, v, gv, ga, gb, x, y in zip(pol, refs, subjects, verdicts, g_verdicts,
+                                                       g_pol, g_ref, r_pol.tolist(),
+                                                       r_ref.tolist())]
+    return metrics, rows
+
+
+def summary(it: int, m: dict[str, float]) -> str:
+    """The stage's one line: the judge's and gold's win rates, on-topic, reviews, KL."""
+    return (f"evaluate@{it}: judge win rate {m['eval/win_rate']:.3f} "
+            f"[{m['eval/win_rate_ci_low']:.3f}, {m['eval/win_rate_ci_high']:.3f}], "
+            f"gold {m['eval/gold_win_rate']:.3f} [{m['eval/gold_win_rate_ci_low']:.3f}"
+            f", {m['eval/gold_win_rate_ci_high']:.3f}], on-topic "
+            f"{m['eval/on_topic_rate']:.2f} (ref {m['eval/ref_on_topic_rate']:.2f}), "
+            f"reviews {m['eval/review_rate']:.2f} (ref {m['eval/ref_review_rate']:.2f}), "
+            f"KL {m['eval/kl']:.3f}")
+
+
+def read_heldout(root: Path, n: int) -> tuple[list[tuple[str, Prompt]], list[str]]:
+    """The first n held-out prompts and each one's subject."""
+    path = str(root / layout.PROMPTS_HELDOUT)
+    prompts = load_prompts(path, n)
+    subject_of = {str(r.get("prompt_id")): str(r.get("subject", "")) for _, r in
+                  jsonl.read(path)}
+    return prompts, [subject_of[pid] for pid, _ in prompts]
+
+
+def read_references(root: Path, prompts: Sequence[tuple[str, Prompt]]) -> list[Rollout]:
+    """The reference's samples (drawn once by reference_samples), for exactly these prompts."""
+    path = str(root / layout.REFERENCE_SAMPLES)
+    refs = read_samples(path)
+    if [r.prompt_id for r in refs] != [pid for pid, _ in prompts]:
+        raise DataError(f"{path}: reference samples are for other prompts than "
+                        f"{layout.PROMPTS_HELDOUT}; rerun reference_samples")
+    return refs
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The edge: read, sample the policy, score (`evaluate_samples`), write."""
+    args = stage.parse(argv, __doc__ or "", CONTRACT)
+    p, it, root = args.params, args.it, args.root
+    pol_dir, ref_dir = root / layout.policy(it), root / layout.policy(0)
+    policy, ref = lm.load_causal_lm(pol_dir, args.device), lm.load_causal_lm(ref_dir, args.device)
+    tok = lm.load_tokenizer(pol_dir)
+    prompts, subjects = read_heldout(root, p.evaluate.n_prompts)
+    gen = p.evaluate.generation
+    pol = sample_rollouts(policy, tok, prompts, 1, gen, p.model.max_prompt_tokens,
+                          lm.weights_md5(pol_dir), it, stage.generator(p.seed, 4, it),
+                          p.evaluate.workers, pol_dir)
+    refs = read_references(root, prompts)
+    logp = LogProbs.of(policy, ref, pol, refs, gen, tok.pad_token_id)
+    del policy
+    judge = make_judge(p.judge, root, args.device)   # built once: an llm judge loads a model
+    gold = GoldEvaluator(p.evaluate.gold, root, args.device)
+    rm = load_reward_model(root / layout.reward_model(it), args.device)
+    bon_path = str(root / layout.BEST_OF_N_SAMPLES)
+    candidates = read_samples(bon_path) if p.evaluate.best_of_n.n > 0 else []
+    metrics, rows = evaluate_samples(p, pol, refs, subjects, logp, judge, gold, rm,
+                                     candidates, bon_path, tok.pad_token_id)
+    jsonl.write(root / layout.eval_samples(it), rows)
     stage.write_metrics(root, layout.metrics(it, "evaluate"), metrics)
-    print(f"evaluate@{it}: judge win rate {metrics['eval/win_rate']:.3f} "
-          f"[{metrics['eval/win_rate_ci_low']:.3f}, {metrics['eval/win_rate_ci_high']:.3f}], "
-          f"gold {metrics['eval/gold_win_rate']:.3f} [{metrics['eval/gold_win_rate_ci_low']:.3f}"
-          f", {metrics['eval/gold_win_rate_ci_high']:.3f}], on-topic "
-          f"{metrics['eval/on_topic_rate']:.2f} (ref {metrics['eval/ref_on_topic_rate']:.2f}), "
-          f"reviews {metrics['eval/review_rate']:.2f} (ref {metrics['eval/ref_review_rate']:.2f}), "
-          f"KL {metrics['eval/kl']:.3f}")
+    print(summary(it, metrics))
 
 
-def evaluate_best_of_n(p: Params, root: Path, rm: torch.nn.Module, gold: GoldEvaluator,
-                       judge: PointwiseJudge, refs: Sequence[Rollout], subjects: Sequence[str],
+def evaluate_best_of_n(p: Params, candidates: Sequence[Rollout], path: str, rm: torch.nn.Module,
+                       gold: GoldEvaluator, judge: PointwiseJudge | PairwiseJudge,
+                       refs: Sequence[Rollout], subjects: Sequence[str],
                        pad: int) -> dict[str, float]:
+    """Best-of-N: the reference's N candidates per prompt (read from `path`) reranked by the RM
+    against its single sample, by the judge and gold, with the analytic KL."""
     bon = p.evaluate.best_of_n
-    path = str(root / layout.BEST_OF_N_SAMPLES)
-    candidates = read_samples(path)
     n_prompts = len(candidates) // bon.n
     if n_prompts == 0 or [c.prompt_id for c in candidates[:: bon.n]] != [
             r.prompt_id for r in refs[:n_prompts]]:

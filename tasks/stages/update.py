@@ -12,6 +12,7 @@ The reference is an explicit, versioned input: the initial model or the previous
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,8 +42,20 @@ def reference_dir(p: Params, it: int) -> str:
     return layout.policy(0) if p.update.reference == "initial" else layout.policy(it - 1)
 
 
+Writer = Callable[[Path], None]   # writes an extra file into the new policy directory
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What every update algorithm hands the stage: its `update/` metrics, and the files it
+    keeps beside the new policy's weights (PPO: its value head and the rollouts update@{it+1}
+    reuses; DPO: none), each written into the policy directory before it is committed."""
+    metrics: dict[str, float]
+    extra_files: tuple[Writer, ...] = ()
+
+
 def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
-            it: int, rng: torch.Generator, group: Group = SINGLE) -> dict[str, float]:
+            it: int, rng: torch.Generator, group: Group = SINGLE) -> UpdateResult:
     """DPO on this iteration's on-policy pairs (picked by `pair_source`), plus `offpolicy_mix`
     of pairs from the previous pool at loss weight `offpolicy_weight`; every rank reads and
     encodes the same pairs, then trains on its shard of each batch."""
@@ -72,10 +85,7 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
                     "update/n_onpolicy_pairs": float(len(onpolicy)),
                     "update/n_offpolicy_pairs": float(len(offpolicy)),
                     "update/offpolicy_weight": d.offpolicy_weight})
-    return metrics
-
-
-Writer = Callable[[Path], None]   # writes an extra file into the new policy directory
+    return UpdateResult(metrics)
 
 
 def _scores(rm: torch.nn.Module, stats: dict[str, float], rollouts: list[Rollout],
@@ -97,8 +107,7 @@ def _read_rollouts(path: Path) -> list[Rollout]:
 
 
 def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
-            it: int, rng: torch.Generator, group: Group = SINGLE
-            ) -> tuple[dict[str, float], list[Writer]]:
+            it: int, rng: torch.Generator, group: Group = SINGLE) -> UpdateResult:
     """PPO on this iteration's rollouts; with reuse.iterations_back = 1 also on the previous
     iteration's, which update@{it-1} kept in its policy directory (a declared out of update@{it-1}
     and dep of update@{it}); the critic starts from update@{it-1}'s value head (value_reuse).
@@ -125,20 +134,20 @@ def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
     writers: list[Writer] = [lambda d: value_head.save(head, d)]
     if q.reuse.iterations_back >= 1:          # keep this iteration's rollouts for update@{it+1}
         writers.append(lambda d: jsonl.write(d / REPLAY_FILE, [r.to_record() for r in rollouts]))
-    return metrics, writers
+    return UpdateResult(metrics, tuple(writers))
 
 
-ALGORITHMS: dict[str, Callable[..., dict[str, float] | tuple[dict[str, float], list[Writer]]]] \
-    = {"dpo": run_dpo, "ppo": run_ppo}
+ALGORITHMS: dict[str, Callable[..., UpdateResult]] = {"dpo": run_dpo, "ppo": run_ppo}
 
 
 def write_policy(policy: torch.nn.Module, tok: object, p: Params, root: Path, it: int,
-                 metrics: dict[str, float], writers: list[Writer]) -> None:
+                 result: UpdateResult) -> None:
     """The policy directory (atomically) and the metrics file: rank 0's outputs."""
+    metrics = result.metrics
     with atomic.directory(root / layout.policy(it)) as tmp:
         policy.save_pretrained(tmp)  # type: ignore[operator]
         tok.save_pretrained(tmp)  # type: ignore[attr-defined]
-        for write in writers:                 # e.g. PPO's value head
+        for write in result.extra_files:      # e.g. PPO's value head
             write(tmp)
         atomic.write_json(tmp / layout.MODEL_META, {
             "iteration": it, "role": "policy", "algo": p.update.algo,
@@ -159,12 +168,11 @@ def main(argv: list[str] | None = None) -> None:
     ref = lm.load_causal_lm(root / reference_dir(p, it), args.device)
     for q in ref.parameters():
         q.requires_grad_(False)
-    out = ALGORITHMS[p.update.algo](policy, ref, tok, p, root, it, stage.generator(p.seed, 3, it),
-                                    group)
-    metrics, writers = out if isinstance(out, tuple) else (out, [])
+    result = ALGORITHMS[p.update.algo](policy, ref, tok, p, root, it,
+                                       stage.generator(p.seed, 3, it), group)
     if group.main:                            # ranks > 0 write nothing
-        write_policy(policy, tok, p, root, it, metrics, writers)
-        print(f"update@{it}: {p.update.algo}, {int(metrics['update/steps'])} steps"
+        write_policy(policy, tok, p, root, it, result)
+        print(f"update@{it}: {p.update.algo}, {int(result.metrics['update/steps'])} steps"
               + (f" on {group.world} processes" if group.world > 1 else ""))
     distributed.close(group)
 
