@@ -27,9 +27,10 @@ from typing import Any
 import yaml
 
 from benchmarks.isolation import REPO, isolated_env
+from tasks import layout
 
-SETUP_STAGES = ("prompts", "prepare_model", "collect_offpolicy")
-ITERATION = ("rollout", "judge", "train_rm", "update", "evaluate")
+SETUP_STAGES = layout.SETUP_STAGES[:3]   # reference_samples: scale-specific, run untimed below
+ITERATION = layout.LOOP_STAGES[:5]        # one iteration's stages, gate aside (it trains nothing)
 
 
 def _set(data: dict[str, Any], dotted: str, value: Any) -> None:

@@ -14,8 +14,8 @@ from flows import workspace as wsmod
 from flows.run import RunFailed, quiet_prefect
 from flows.report import collect_report
 from flows.targets import SETUP_STAGES, check, iteration_minutes, recorded_seconds
+from tasks import layout
 from tasks.errors import InputError
-from tasks.params import load_params
 
 DEFAULT_WORKSPACE = "workspace"
 DEFAULT_PARAMS = wsmod.PROJECT_ROOT / "params" / "default.yaml"
@@ -24,7 +24,7 @@ DEFAULT_PARAMS = wsmod.PROJECT_ROOT / "params" / "default.yaml"
 def cmd_run(args: argparse.Namespace) -> int:
     params = Path(args.params).resolve() if args.params else None
     root = Path(args.workspace).resolve()
-    if params is None and not (root / "params.yaml").is_file():
+    if params is None and not (root / layout.PARAMS_FILE).is_file():
         params = DEFAULT_PARAMS
     wsmod.validate(root, params)               # fails before the workspace is touched
     return _run_and_print(root, params, force=[])
@@ -84,7 +84,7 @@ def _print_targets(root: Path, stages: list[str], ran: set[str]) -> None:
     loop = [n for n in stages if n.split("@")[0] not in SETUP_STAGES]
     timed, untimed = recorded_seconds(root, loop, read_lock(root))
     minutes = iteration_minutes(timed) if loop and not untimed else None
-    checks = check(report[last], load_params(root / "params.yaml").targets, minutes)
+    checks = check(report[last], wsmod.Workspace(root).params().targets, minutes)
     met = sum(c.met for c in checks)
     print(f"targets (iteration {last}): {met} of {len(checks)} met")
     for c in checks:

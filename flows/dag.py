@@ -20,12 +20,11 @@ import yaml
 from dvc.exceptions import ReproductionError
 from dvc.repo import Repo
 
-from tasks import heap
+from tasks import heap, layout
 from tasks.params import SAFE_LOADER
 
 # canonical order among stages that DVC leaves unordered (topology always wins)
-STAGE_ORDER = ("prompts", "prepare_model", "collect_offpolicy", "reference_samples", "rollout",
-               "judge", "train_rm", "update", "evaluate", "gate")
+STAGE_ORDER = layout.STAGES
 State = Literal["up-to-date", "changed", "missing"]
 Outcome = Literal["ran", "restored", "cached"]
 
@@ -136,7 +135,7 @@ def stage_states(root: Path) -> list[StageState]:
     """up-to-date / changed (a dep, param or command changed) / missing (outputs absent)."""
     refs = ordered_stages(root)
     lock = read_lock(root)
-    params = yaml.load((root / "params.yaml").read_text(), Loader=SAFE_LOADER) or {}
+    params = yaml.load((root / layout.PARAMS_FILE).read_text(), Loader=SAFE_LOADER) or {}
     out = []
     status: dict[str, Any] = {}
     # the repo ordered_stages just parsed (parked), else a fresh one: one parse of dvc.yaml
@@ -149,7 +148,7 @@ def stage_states(root: Path) -> list[StageState]:
         if ref.name not in lock:
             out.append(StageState(ref.name, "missing", ["never run (not in dvc.lock)"]))
             continue
-        locked = _unflatten(lock[ref.name].get("params", {}).get("params.yaml", {}))
+        locked = _unflatten(lock[ref.name].get("params", {}).get(layout.PARAMS_FILE, {}))
         state, reasons = _explain(status.get(ref.name, []), locked, params)
         out.append(StageState(ref.name, state, reasons))
     return out
@@ -217,7 +216,7 @@ class StageRun:
 
 
 # What a repo's index is parsed from: when none of these changed, a parsed index still holds.
-_DECLARATION_FILES = ("dvc.yaml", "dvc.lock", "params.yaml", ".dvcignore")
+_DECLARATION_FILES = ("dvc.yaml", "dvc.lock", layout.PARAMS_FILE, ".dvcignore")
 _PARK_SECONDS = 60.0
 
 

@@ -24,7 +24,7 @@ from flows.workspace import Workspace, git, git_bytes
 from tasks import layout
 from tasks.judges import PAIRWISE_KINDS
 from tasks.pairwise import load_template
-from tasks.params import JudgeParams, load_params
+from tasks.params import JudgeParams
 
 Summary = dict[str, Any]
 REPORT_ARTIFACT_KEY = "alignloop-report"     # the Prefect artifact (one version per run)
@@ -128,7 +128,7 @@ def record_iteration(root: str, iteration: int, runs: list[dag.StageRun],
     summary["pushed"] = registry.MlflowClient().get_run(run_id).data.tags.get(
         f"{tracking.TAG}pushed")                     # set once its data reached the remote
     if iteration > 0:
-        p = load_params(path / layout.PARAMS_FILE)
+        p = Workspace(path).params()
         common = {"git_commit": sha, "prefect_flow_run_id": flow_run_id,
                   **judge_tags(p.judge, path), "algo": p.update.algo,
                   "reference": p.update.reference, "workspace": str(path)}

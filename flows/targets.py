@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from flows.workspace import STATE_DIR
-from tasks import atomic
+from tasks import atomic, layout
 from tasks.params import TargetParams
 
-SETUP_STAGES = ("prompts", "prepare_model", "collect_offpolicy", "reference_samples")
+SETUP_STAGES = layout.SETUP_STAGES
 SECONDS_FILE = "stage_seconds.json"      # in .alignloop/: stage -> {seconds, lock fingerprint}
 
 

@@ -5,6 +5,13 @@ dvc.yaml declares the same paths; tests check that the two agree.
 from __future__ import annotations
 
 PARAMS_FILE = "params.yaml"
+
+# the stages, in run order, as dvc.yaml declares them (tests/test_dvc_yaml.py): the set-up stages
+# run once, the loop stages once per iteration (`name@k`)
+SETUP_STAGES = ("prompts", "prepare_model", "collect_offpolicy", "reference_samples")
+LOOP_STAGES = ("rollout", "judge", "train_rm", "update", "evaluate", "gate")
+STAGES = SETUP_STAGES + LOOP_STAGES
+
 PROMPTS_TRAIN = "data/prompts/train.jsonl"
 PROMPTS_HELDOUT = "data/prompts/heldout.jsonl"
 REFERENCE_SAMPLES = "data/reference/heldout_samples.jsonl"   # the reference on held-out prompts
@@ -14,6 +21,11 @@ JUDGE_TEMPLATES = "params/judges"        # the pairwise judges' versioned prompt
 IMPORT_PAIRS = "data/import/pairs.jsonl"   # `alignloop import` writes it (offpolicy.import_path)
 OFFPOLICY_METRICS = "metrics/offpolicy.json"
 MODEL_META = "alignloop_model.json"      # written inside every saved model directory
+MODEL_CARD = "README.md"                 # ... and its model card (tasks/model_card.py)
+MLMODEL = "MLmodel"                      # ... and its MLflow model file (tasks/mlflow_model.py)
+RM_STATS = "reward_stats.json"           # in a reward model's directory: its score mean and std
+VALUE_HEAD = "value_head.safetensors"    # in a PPO policy's directory: its critic
+REPLAY_ROLLOUTS = "replay_rollouts.jsonl"  # ... with reuse on: its rollouts, for update@k+1
 RM_MEMBER_PREFIX = "member_"            # ensemble K > 1: models/iter_k/rm/member_0, member_1, ...
 AUDIT_LABELS = "audit/labels.jsonl"      # the person's audit verdicts; git-tracked, never an out
 JUDGE_CACHE_DIR = ".alignloop/judge-cache"   # pairwise judges' verdicts (machine state, no out)

@@ -28,7 +28,7 @@ import yaml
 
 from tasks import layout
 
-MLMODEL = "MLmodel"
+MLMODEL = layout.MLMODEL
 COMPONENTS_DIR = "components"          # MLflow's fixed place for pipeline components
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json",

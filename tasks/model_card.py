@@ -24,7 +24,7 @@ from ruamel.yaml import YAML                          # DVC's own YAML loader: s
 from tasks import layout, lm
 from tasks.params import Params
 
-CARD_FILE = "README.md"
+CARD_FILE = layout.MODEL_CARD
 LINEAGE_URI = {"policy": "models:/alignloop-policy",
                "reward_model": "models:/alignloop-reward-model"}
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tasks import lm, offpolicy, progress
+from tasks import layout, lm, offpolicy, progress
 from tasks.distributed import SINGLE, Group, record_losses
 from tasks.errors import InputError
 from tasks.losses import kl_k1, kl_k3, ppo_clip_loss, ppo_value_loss, whiten
@@ -24,7 +24,7 @@ from tasks.records import Rollout
 from tasks.schemas.update import PPOParams
 from tasks.value_head import ValueHead, logprobs_and_values
 
-REPLAY_FILE = "replay_rollouts.jsonl"   # in models/iter_k/policy when reuse is on: for update@k+1
+REPLAY_FILE = layout.REPLAY_ROLLOUTS
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k3": kl_k3}
 
 

@@ -35,7 +35,7 @@ from tasks.losses import bradley_terry_margin_loss
 from tasks.records import PreferencePair, Prompt
 from tasks.schemas.train_rm import TrainRMParams
 
-STATS_FILE = "reward_stats.json"
+STATS_FILE = layout.RM_STATS
 PROBE_FOLDS = 5                 # cross-validation folds of `probe_l2_grid`
 
 

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from tasks import lm
+from tasks import layout, lm
 from tasks.device import Device, device_of
 from tasks.errors import InputError
 
-VALUE_HEAD_FILE = "value_head.safetensors"
+VALUE_HEAD_FILE = layout.VALUE_HEAD
 
 
 class ValueHead(torch.nn.Module):

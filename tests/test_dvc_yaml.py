@@ -139,6 +139,8 @@ def test_expected_stages_declared() -> None:
     assert [n for n in STAGES if is_loop(n)] == ["rollout", "judge", "train_rm", "update",
                                                  "evaluate", "gate"]
     assert all(STAGES[n]["foreach"] == "${iterations}" for n in STAGES if is_loop(n))
+    assert (list(STAGES), [n for n in STAGES if is_loop(n)]) == \
+        (list(layout.STAGES), list(layout.LOOP_STAGES))          # the names the flow reads
 
 
 @pytest.mark.parametrize("name", list(STAGES))
