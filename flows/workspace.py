@@ -261,7 +261,19 @@ _MODEL_PATH = re.compile(r"^(?P<indent>\s+)path:(?P<value>[^#\n]*?)(?P<rest>\s*(
 def profile_text(path: Path) -> str:
     """The profile as the workspace's params.yaml: a relative `model.path` is relative to the
     profile's own directory (the one rule for paths in params), so it is written there as the
-    absolute path it names; the rest of the text, comments included, is kept."""
+    absolute path it names; the rest of the text, comments included, is kept. A profile with
+    a `base:` is written merged (tasks/profiles.py): DVC reads one complete params file."""
+    from tasks.profiles import merged_text, read_profile
+    profile = read_profile(path)
+    if len(profile.files) > 1:
+        data = profile.data
+        model = data.get("model") if isinstance(data, dict) else None
+        where = profile.lines.get(("model", "path"))
+        if isinstance(model, dict) and isinstance(model.get("path"), str) and model["path"] \
+                and where and not Path(model["path"]).expanduser().is_absolute():
+            absolute = (Path(where[0]).parent / model["path"]).resolve()   # its own file's dir
+            data = {**data, "model": {**model, "path": str(absolute)}}
+        return merged_text(profile, data)
     text = path.read_text()
     lines = text.splitlines(keepends=True)
     in_model = False

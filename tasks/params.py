@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from tasks import layout
-from tasks.errors import InputError
+from tasks.profiles import SAFE_LOADER, ParamsError  # noqa: F401  (the loader's, re-exported)
+from tasks.profiles import Profile, Where, parse_text, read_profile
 # the schema, one module per section (tasks/schemas/), re-exported here for the flow, the tests
 # and the benchmarks, which load whole profiles. Modules in tasks/ import a class from its own
 # schema module: a stage's source deps hold the schemas of the sections it declares only.
@@ -35,10 +34,6 @@ from tasks.schemas.rollout import RolloutParams  # noqa: F401
 from tasks.schemas.targets import TargetParams  # noqa: F401
 from tasks.schemas.train_rm import TrainRMParams  # noqa: F401
 from tasks.schemas.update import DPOParams, PPOParams, ReuseParams, UpdateParams  # noqa: F401
-
-
-class ParamsError(InputError):
-    """A params file that does not match the schema; the message names file, line and key."""
 
 
 @dataclass(frozen=True)
@@ -64,36 +59,16 @@ class Params:
     targets: TargetParams = field(default_factory=TargetParams)
 
 
-def _line_index(node: yaml.Node, path: tuple[str, ...], out: dict[tuple[str, ...], int]) -> None:
-    out[path] = node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for key, value in node.value:
-            sub = path + (str(key.value),)
-            if str(key.value) in seen:      # YAML lets the last one win silently; we do not
-                raise _DuplicateKey(sub, key.start_mark.line + 1)
-            seen.add(str(key.value))
-            out[sub] = key.start_mark.line + 1
-            _line_index(value, sub, out)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _line_index(item, path + (str(i),), out)
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, path: tuple[str, ...], line: int):
-        super().__init__(path, line)
-        self.path, self.line = path, line
-
-
 class _Builder:
-    def __init__(self, source: str, lines: dict[tuple[str, ...], int]):
+    def __init__(self, source: str, lines: dict[tuple[str, ...], Where]):
         self.source, self.lines = source, lines
 
     def fail(self, path: tuple[str, ...], msg: str) -> typing.NoReturn:
-        line = next((self.lines[path[:n]] for n in range(len(path), -1, -1)
-                     if path[:n] in self.lines), 1)
-        raise ParamsError(f"{self.source}:{line}: {'.'.join(path) or '<top>'}: {msg}")
+        """Fail naming the file and line of the key (or of the nearest key above it that a
+        file wrote: a default has none), base or overlay."""
+        file, line = next((self.lines[path[:n]] for n in range(len(path), -1, -1)
+                           if path[:n] in self.lines), (self.source, 1))
+        raise ParamsError(f"{file}:{line}: {'.'.join(path) or '<top>'}: {msg}")
 
     def build(self, tp: Any, value: Any, path: tuple[str, ...]) -> Any:
         origin = typing.get_origin(tp)
@@ -162,26 +137,15 @@ class _Builder:
         return tp(**kwargs)
 
 
-SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: ~8x faster, same marks
-
-
 def parse_params(text: str, source: str = "<params>") -> Params:
-    """Parse and validate a profile; raises ParamsError naming source, line and key."""
-    try:
-        node = yaml.compose(text, Loader=SAFE_LOADER)
-        data = yaml.load(text, Loader=SAFE_LOADER)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark else 1
-        raise ParamsError(f"{source}:{line}: invalid YAML: {getattr(e, 'problem', e)}") from None
-    lines: dict[tuple[str, ...], int] = {}
-    if node is not None:
-        try:
-            _line_index(node, (), lines)
-        except _DuplicateKey as e:
-            raise ParamsError(f"{source}:{e.line}: {'.'.join(e.path)}: duplicate key") from None
-    builder = _Builder(source, lines)
-    params = builder.build(Params, _resolve_auto_mix(data if data is not None else {}), ())
+    """Parse and validate a profile's text (no `base:`: that needs its file, `load_params`);
+    raises ParamsError naming source, line and key."""
+    return _build(parse_text(text, source), source)
+
+
+def _build(profile: Profile, source: str) -> Params:
+    builder = _Builder(source, profile.lines)
+    params = builder.build(Params, _resolve_auto_mix(profile.data), ())
     _check_ranges(params, builder)
     return params
 
@@ -208,17 +172,9 @@ def _resolve_auto_mix(data: Any) -> Any:
 
 
 def load_params(path: str | Path) -> Params:
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ParamsError(f"{path}: params file not found") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ParamsError(f"{path}:{line}: not valid UTF-8 (byte {e.start})") from None
-    return parse_params(text, str(path))
+    """A profile file, with the profile it names as its `base:` merged under it (and that
+    one's, ...: tasks/profiles.py); errors name the file that holds the bad key."""
+    return _build(read_profile(path), str(path))
 
 
 def _check_ranges(p: Params, b: _Builder) -> None:

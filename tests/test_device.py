@@ -30,10 +30,12 @@ def with_device(value: str) -> str:
 
 
 def test_every_profile_states_its_device_with_a_comment() -> None:
+    from tasks.profiles import read_profile
     for profile in sorted((ROOT / "params").glob("*.yaml")):
-        line = next((x for x in profile.read_text().splitlines() if x.startswith("device:")),
-                    None)
-        assert line is not None and "#" in line, f"{profile.name}: no commented device key"
+        file, at = read_profile(profile).lines.get(("device",), (str(profile), 0))  # or its base
+        line = Path(file).read_text().splitlines()[at - 1] if at else None
+        assert line is not None and line.startswith("device:") and "#" in line, \
+            f"{profile.name}: no commented device key"
         assert load_params(profile).device == "auto", profile.name
 
 

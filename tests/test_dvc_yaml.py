@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tasks import layout
+from tasks.profiles import read_profile
 from tasks.stage import Contract
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,7 +332,7 @@ def test_stage_declares_params(name: str) -> None:
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
 def test_declared_params_exist_in_profile(profile: Path) -> None:
-    data = yaml.safe_load(profile.read_text())
+    data = read_profile(profile).data          # with its base merged, as the workspace gets it
     for name in STAGES:
         for key in body(name).get("params", []):
             assert key.split(".")[0] in data, f"{name}: {key} not in {profile.name}"
