@@ -18,9 +18,14 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from tasks import atomic, layout
-from tasks.params import Params, load_params
+from tasks.errors import InputError
+from tasks.params import SAFE_LOADER, Params, load_params, to_dict
+from tasks.profiles import merged_text, read_profile
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = ".alignloop"             # Prefect home, MLflow store, DVC remote, server pid/logs
@@ -235,7 +240,49 @@ def validate(root: Path, params_file: Path | None) -> Params:
         raise FileNotFoundError(f"{path}: no such params file")
     params = load_params(path)
     _check_model_path(params, path.parent)
+    if params_file is None:                        # run as it is: every stated key written
+        profile = read_profile(path)
+        missing = [k for k in stated_keys() if not _has(profile.data, k)]
+        if missing:
+            raise InputError(f"{path}: {missing[0]}: not written, and a stage reads it (DVC "
+                             f"needs every key dvc.yaml names in params.yaml); write it (its "
+                             f"default: {_get(to_dict(params), missing[0])!r}) or run with "
+                             "--params PROFILE, which writes the defaults in")
     return params
+
+
+def stated_keys() -> list[str]:
+    """Every params key dvc.yaml names, as stage params or in `${...}`: DVC fails a stage whose
+    key is missing from params.yaml (`Parameters ... are missing`), defaults or not."""
+    text = (PROJECT_ROOT / "dvc.yaml").read_text()
+    keys = [k for stage in yaml.load(text, Loader=SAFE_LOADER)["stages"].values()
+            for k in stage.get("do", stage).get("params", []) if isinstance(k, str)]
+    keys += [k for k in re.findall(r"\$\{\s*([^}\s]+)\s*\}", text)
+             if k.split(".")[0] not in ("key", "item")]
+    return list(dict.fromkeys(keys))
+
+
+def _has(data: Any, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def _get(data: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
+def _with(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """`data` with `dotted` set to `value` (the mappings on the way copied)."""
+    head, _, rest = dotted.partition(".")
+    if not rest:
+        return {**data, head: value}
+    inner = data.get(head) if isinstance(data.get(head), dict) else {}
+    return {**data, head: _with(inner, rest, value)}
 
 
 def prepare(root: Path, params_file: Path | None) -> tuple[Workspace, list[str]]:
@@ -262,18 +309,23 @@ def profile_text(path: Path) -> str:
     """The profile as the workspace's params.yaml: a relative `model.path` is relative to the
     profile's own directory (the one rule for paths in params), so it is written there as the
     absolute path it names; the rest of the text, comments included, is kept. A profile with
-    a `base:` is written merged (tasks/profiles.py): DVC reads one complete params file."""
-    from tasks.profiles import merged_text, read_profile
+    a `base:` is written merged (tasks/profiles.py), and keys dvc.yaml names that the profile
+    leaves out are written with their defaults: DVC reads one complete params file.""" 
     profile = read_profile(path)
-    if len(profile.files) > 1:
+    missing = [k for k in stated_keys() if not _has(profile.data, k)]
+    if len(profile.files) > 1 or missing:
         data = profile.data
+        if missing:                                # left out: the schema's defaults, written
+            full = to_dict(load_params(path))
+            for key in missing:
+                data = _with(data, key, _get(full, key))
         model = data.get("model") if isinstance(data, dict) else None
         where = profile.lines.get(("model", "path"))
         if isinstance(model, dict) and isinstance(model.get("path"), str) and model["path"] \
                 and where and not Path(model["path"]).expanduser().is_absolute():
             absolute = (Path(where[0]).parent / model["path"]).resolve()   # its own file's dir
             data = {**data, "model": {**model, "path": str(absolute)}}
-        return merged_text(profile, data)
+        return merged_text(profile, data, missing)
     text = path.read_text()
     lines = text.splitlines(keepends=True)
     in_model = False
@@ -283,7 +335,6 @@ def profile_text(path: Path) -> str:
             continue
         m = _MODEL_PATH.match(line.rstrip("\n")) if in_model else None
         if m and len(m["indent"]) == 2:
-            import yaml
             value = yaml.safe_load(m["value"]) or ""
             if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
                 absolute = (path.parent / value).resolve()

@@ -115,3 +115,30 @@ def test_the_shipped_overlays_name_their_base_and_little_else() -> None:
                                   {"judge", "rollout", "train_rm", "update", "evaluate"})):
         own = yaml.safe_load((params / f"{name}.yaml").read_text())
         assert own.pop("base") == base and set(own) == sections, name
+
+
+def test_a_profile_that_leaves_out_a_key_a_stage_reads_runs_through(tmp_path: Path) -> None:
+    """A person's profile leaves `offpolicy.source` to its default (cold_start). dvc.yaml names
+    it for update@k, and DVC fails a stage whose key params.yaml lacks, defaults or not: the
+    loop used to stop at update@1 after five stages. The workspace's params.yaml gets it
+    written; a workspace file that lacks it is refused before anything runs, in one line."""
+    lines = TINY.read_text().splitlines(keepends=True)
+    sparse = overlay(tmp_path / "mine.yaml", "".join(
+        x for x in lines if not x.startswith(('  source: cold_start', '  "2": {prev: 1}'))))
+    ws = tmp_path / "ws"
+    proc = run_cli("run", "--params", str(sparse), "--workspace", str(ws))
+    assert "[ran] update@1" in proc.stdout and "[ran] gate@1" in proc.stdout
+    written = (ws / layout.PARAMS_FILE).read_text()
+    assert "# written with their defaults (a stage reads them): offpolicy.source\n" in written
+    assert yaml.safe_load(written)["offpolicy"]["source"] == "cold_start"
+    assert load_params(ws / layout.PARAMS_FILE) == load_params(sparse)
+
+    data = yaml.safe_load(written)
+    del data["offpolicy"]["source"]                     # a person edits the workspace's file
+    (ws / layout.PARAMS_FILE).write_text(yaml.safe_dump(data, sort_keys=False))
+    proc = run_cli("run", "--workspace", str(ws), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {ws / layout.PARAMS_FILE}: offpolicy.source: not written, and a stage reads "
+        "it (DVC needs every key dvc.yaml names in params.yaml); write it (its default: "
+        "'cold_start') or run with --params PROFILE, which writes the defaults in"]
