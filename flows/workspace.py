@@ -310,7 +310,7 @@ def profile_text(path: Path) -> str:
     profile's own directory (the one rule for paths in params), so it is written there as the
     absolute path it names; the rest of the text, comments included, is kept. A profile with
     a `base:` is written merged (tasks/profiles.py), and keys dvc.yaml names that the profile
-    leaves out are written with their defaults: DVC reads one complete params file.""" 
+    leaves out are written with their defaults: DVC reads one complete params file."""
     profile = read_profile(path)
     missing = [k for k in stated_keys() if not _has(profile.data, k)]
     if len(profile.files) > 1 or missing:

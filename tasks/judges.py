@@ -214,6 +214,15 @@ JUDGES: dict[str, Callable[[JudgeParams], PointwiseJudge]] = {
 PAIRWISE_KINDS = ("llm", "http")
 
 
+# the judge's keys that build it and shape its verdicts (make_judge, judge_factory): what a stage
+# that only asks the judge for verdicts reads (evaluate). How the judge stage turns verdicts into
+# pairs (pairs_per_prompt, pool_pairs, pool_margin, comparisons_per_prompt) and its workers are
+# not among them: changing those reruns the judge stage, not evaluate.
+BUILD_KEYS = ("kind", "version", "tie_margin", "min_words", "off_topic_penalty",
+              "register_penalty", "template", "model", "max_length", "decoding",
+              "max_new_tokens", "max_concurrency", "timeout_s", "max_retries", "backoff_s")
+
+
 def make_judge(p: JudgeParams, root: Path | None = None,
                device: object = "cpu") -> PointwiseJudge:
     """The configured judge. Pairwise kinds (llm, http) read their template and keep their

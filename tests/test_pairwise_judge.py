@@ -212,7 +212,8 @@ def test_pairwise_params_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ParamsError, match=r"judge.model: judge.kind llm needs judge.model"):
         load_params(bad)
     bad.write_text(text.replace("  kind: lexicon ", "  kind: http    ").replace(
-        "  version: vader-v1", "  model: m\n  decoding: logprob\n  version: vader-v1"))
+        '  model: ""  ', "  model: m    ", 1).replace("  decoding: greedy ",
+                                                      "  decoding: logprob "))
     with pytest.raises(ParamsError, match=r"judge.decoding: the http judge decodes greedily"):
         load_params(bad)
 

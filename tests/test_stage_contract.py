@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, copy_workspace
+from tasks import layout
 from tasks.params import load_params
 from tasks.stage import Contract, Declared, UndeclaredParam
 
@@ -71,8 +72,8 @@ def all_stages(ws: Path) -> list[str]:
 
 
 def instances(*stages: str) -> set[str]:
-    loops = {"rollout", "judge", "train_rm", "update", "evaluate", "gate"}
-    return {f"{s}@{k}" if s in loops else s for s in stages for k in ("1", "2")}
+    """The stages' instances in the two-iteration tiny run: `judge@1`, `judge@2`, `prompts`."""
+    return {f"{s}@{k}" if s in layout.LOOP_STAGES else s for s in stages for k in ("1", "2")}
 
 
 def test_editing_one_sections_schema_reruns_only_the_stages_that_read_it(
@@ -113,3 +114,16 @@ def test_a_stage_that_reads_an_undeclared_key_stops_at_the_read(
     assert "UndeclaredParam: stage gate reads params key gate, which its contract does not " \
         "declare" in out
     assert "gate@1: passed" not in out and "gate@1: failed" not in out
+
+
+def test_a_judge_key_that_only_pairs_verdicts_does_not_rerun_evaluate(
+        tiny_run: dict[str, object], tmp_path: Path) -> None:
+    """evaluate reads the judge's verdicts (the keys that build it: judges.BUILD_KEYS), not how
+    the judge stage turns them into pairs: a person raising judge.pairs_per_prompt reruns the
+    stages that pair (collect_offpolicy, judge@k), and evaluate@k only if their outputs move."""
+    from conftest import set_params
+    ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")            # type: ignore[arg-type]
+    set_params(ws / "params.yaml", judge__pairs_per_prompt=2)
+    assert changed(ws) == instances("collect_offpolicy", "judge")
+    set_params(ws / "params.yaml", judge__pairs_per_prompt=1, judge__tie_margin=0.1)
+    assert changed(ws) == instances("collect_offpolicy", "judge", "evaluate")   # a verdict key

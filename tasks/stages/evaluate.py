@@ -21,8 +21,8 @@ from tasks import jsonl, layout, lm, stage
 from tasks.generation import load_prompts, sample_rollouts
 from tasks.gold import GoldEvaluator, GoldScore, gold_verdict, mean_nll
 from tasks.jsonl import DataError
-from tasks.judges import (PairwiseJudge, PointwiseJudge, Verdict, is_pointwise, judge_pair,
-                          judge_pairs, make_judge, position_flipped)
+from tasks.judges import (BUILD_KEYS, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
+                          judge_pair, judge_pairs, make_judge, position_flipped)
 from tasks.params import Params
 from tasks.records import Prompt, Rollout, parse_rollout, prompt_to_record
 from tasks.reward_model import load_reward_model, reward_mean_std
@@ -33,7 +33,8 @@ from tasks.winrate import win_rate
 
 CONTRACT = stage.Contract(
     "evaluate",
-    params=("device", "seed", "model.max_prompt_tokens", "judge", "evaluate"),
+    params=("device", "seed", "model.max_prompt_tokens", "evaluate",
+            *(f"judge.{k}" for k in BUILD_KEYS)),     # the judge's verdicts, not its pairing
     deps=lambda it, prev: ("${evaluate.gold.register_examples_file}", layout.JUDGE_TEMPLATES,
                            layout.PROMPTS_HELDOUT, layout.REFERENCE_SAMPLES,
                            layout.BEST_OF_N_SAMPLES, layout.policy(it), layout.reward_model(it),
