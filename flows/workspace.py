@@ -15,7 +15,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ import yaml
 from tasks import atomic, layout
 from tasks.errors import InputError
 from tasks.params import SAFE_LOADER, Params, load_params, to_dict
-from tasks.profiles import merged_text, read_profile
+from tasks.profiles import Profile, read_profile
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = ".alignloop"             # Prefect home, MLflow store, DVC remote, server pid/logs
@@ -303,6 +303,18 @@ def _check_model_path(p: Params, base: Path) -> None:
 
 
 _MODEL_PATH = re.compile(r"^(?P<indent>\s+)path:(?P<value>[^#\n]*?)(?P<rest>\s*(#.*)?)$")
+
+
+def merged_text(profile: Profile, data: Any, filled: Sequence[str] = ()) -> str:
+    """The workspace's params.yaml written from a profile: `data` (its merged data, paths
+    resolved, the `filled` keys added with their defaults) as YAML, under a header naming the
+    files and the filled keys (a workspace holds one complete params file: DVC reads it)."""
+    head = "".join(f"#   {f}\n" for f in reversed(profile.files))
+    fill = (f"# written with their defaults (a stage reads them): {', '.join(filled)}\n"
+            if filled else "")
+    return (f"# written by alignloop from (each over the next):\n{head}{fill}"
+            "# edit the profiles and run with --params, or edit this file for this workspace\n"
+            + yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
 
 
 def profile_text(path: Path) -> str:

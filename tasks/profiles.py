@@ -8,7 +8,6 @@ error names the file that holds the bad value, base or overlay.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,15 +109,3 @@ def merge(base: Any, over: Any) -> Any:
     for key, value in over.items():
         out[key] = merge(base[key], value) if key in base else value
     return out
-
-
-def merged_text(profile: Profile, data: Any, filled: Sequence[str] = ()) -> str:
-    """The workspace's params.yaml written from a profile: `data` (its merged data, paths
-    resolved, the `filled` keys added with their defaults) as YAML, under a header naming the
-    files and the filled keys (a workspace holds one complete params file: DVC reads it)."""
-    head = "".join(f"#   {f}\n" for f in reversed(profile.files))
-    fill = (f"# written with their defaults (a stage reads them): {', '.join(filled)}\n"
-            if filled else "")
-    return (f"# written by alignloop from (each over the next):\n{head}{fill}"
-            "# edit the profiles and run with --params, or edit this file for this workspace\n"
-            + yaml.safe_dump(data, sort_keys=False, allow_unicode=True))

@@ -34,10 +34,11 @@ ERROR_FILE_ENV = "ALIGNLOOP_ERROR_FILE"  # set by the CLI: where a stage's one-l
 LOG_FILE_ENV = "ALIGNLOOP_LOG_FILE"      # set by the CLI: where an unexpected traceback goes
 
 
-Paths = Callable[[str, str], Sequence[str]]   # (iteration, its prev) -> workspace paths
+Paths = Callable[[Any, Any], Sequence[str]]   # (iteration, its prev) -> workspace paths: ints,
+                                              # or dvc.yaml's `${key}`, `${item.prev}` (a test)
 
 
-def _none(it: str, prev: str) -> Sequence[str]:
+def _none(it: Any, prev: Any) -> Sequence[str]:
     return ()
 
 
