@@ -363,6 +363,21 @@ def test_value_reuse_loads_the_previous_head(ppo_ws: Path, tmp_path: Path,
           f"fresh {without['update/value_loss_step0']:.4f}")
 
 
+def test_reuse_across_a_temperature_change_is_refused_at_the_update(
+        ppo_ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A person lowers rollout.generation.temperature for iteration 2 with reuse on: update@2
+    would score iteration 1's rollouts (drawn at 1.0) at 0.7. It stops with one line naming
+    both temperatures; before, it read the first rollout's temperature and used it for all."""
+    from tasks.errors import InputError
+    monkeypatch.setenv(stage.THREADS_ENV, "2")
+    root = tmp_path / "ws"
+    shutil.copytree(ppo_ws, root)
+    set_params(root / layout.PARAMS_FILE, rollout__generation__temperature=0.7)
+    run_stage(rollout.main, root, 2)
+    with pytest.raises(InputError, match=r"sampled at different temperatures \[0\.7, 1\.0\]"):
+        run_stage(update.main, root, 2)
+
+
 # --- params -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("line, message", [
