@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -12,10 +13,10 @@ from flows import import_pairs
 from flows import signals
 from flows import workspace as wsmod
 from flows.run import RunFailed, quiet_prefect
-from flows.report import collect_report
 from flows.targets import SETUP_STAGES, check, iteration_minutes, recorded_seconds
 from tasks import layout
 from tasks.errors import InputError
+from tasks.report import collect_report
 
 DEFAULT_WORKSPACE = "workspace"
 DEFAULT_PARAMS = wsmod.PROJECT_ROOT / "params" / "default.yaml"
@@ -123,6 +124,25 @@ REPORT_COLUMNS = (("judge", "eval/win_rate"), ("lo", "eval/win_rate_ci_low"),
                   ("hack", "eval/hacking_flag"))
 
 
+def _report_page(ws: wsmod.Workspace) -> Path:
+    """The `report` stage's page, brought up to date as DVC decides (under the workspace lock,
+    like a run); a page built here is in dvc.lock, committed by the next `alignloop run`."""
+    from flows import dag
+    from tasks.report import HTML_NAME
+    if not (ws.root / layout.PARAMS_FILE).is_file():
+        raise InputError(f"{ws.root}: no params.yaml; run it first")
+    try:
+        logging.getLogger("dvc").setLevel(logging.WARNING)   # stdout is the path alone
+        with wsmod.workspace_lock(ws):
+            done = dag.reproduce(ws.root, "report")
+    except dag.StageFailed as e:
+        raise RunFailed(str(e), 1) from None
+    if done.outcome != "cached":
+        print(f"report: {done.outcome} ({done.seconds:.1f} s); dvc.lock names it, the next "
+              f"`alignloop run` commits it", file=sys.stderr)
+    return ws.root / layout.REPORT_DIR / HTML_NAME
+
+
 def _print_report(root: Path) -> None:
     """Win rates (judge, gold, RM, Best-of-N by gold) with interval lows, and the monitors."""
     report = collect_report(root)
@@ -138,9 +158,7 @@ def _print_report(root: Path) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     root = Path(args.workspace).resolve()
     if args.html:
-        from flows.report import build_report, report_dir
-        root = _existing(args.workspace).root
-        print(build_report(root, report_dir(root), force=True))
+        print(_report_page(_existing(args.workspace)))
     elif args.json:
         print(json.dumps(collect_report(root), indent=2, sort_keys=True))
     else:
@@ -387,8 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
         out.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "report":
             out.add_argument("--html", action="store_true",
-                             help="(re)build the HTML report with plots and sample outputs in "
-                                  "<workspace>/.alignloop/report/ and print its path")
+                             help="the HTML report with plots and sample outputs "
+                                  "(<workspace>/report/, the `report` stage's output, "
+                                  "rebuilt when DVC finds it stale): print its path")
         p.set_defaults(func=func)
     rerun = sub.add_parser("rerun", help="recompute one stage instance (and, with "
                                          "--downstream, what depends on it)")

@@ -1,7 +1,8 @@
 """The alignment loop as a Prefect flow: DVC's stage instances in order, one task each, then
 per iteration a record step: commit dvc.lock and params to git, log to MLflow, register the
-iteration's models, push data to the DVC remote. At the end, the run's report (flows/report.py)
-is rebuilt, logged to the last iteration's MLflow run and published as a Prefect artifact.
+iteration's models, push data to the DVC remote. At the end the final stages (the `report`
+stage: tasks/stages/report.py) run as DVC decides and are committed on their own; the report is
+logged to the last iteration's MLflow run and published as a Prefect artifact.
 
 Prefect result caching stays off: DVC alone decides what is up to date.
 """
@@ -74,6 +75,20 @@ def push_data(root: str) -> int:
         return int(repo.push())
 
 
+def _uncommitted(root: Path, runs: list[dag.StageRun]) -> list[str]:
+    """The stage instances of `runs` whose dvc.lock entries differ from HEAD's: they ran now or
+    in a run killed before their commit."""
+    lock = dag.read_lock(root)
+    head = dag.read_lock(root, git_bytes(root, "show", "HEAD:dvc.lock") or b"")
+    return [r.name for r in runs if lock.get(r.name) != head.get(r.name)]
+
+
+def _commit(root: Path, title: str, runs: list[dag.StageRun], new: list[str]) -> None:
+    outcomes = {r.name: r.outcome for r in runs}
+    body = ", ".join(f"{n} ({outcomes[n]})" for n in new) or "no stage ran"
+    git(root, "commit", "-q", "-m", f"{title}\n\nStages: {body}")
+
+
 def commit_iteration(root: Path, iteration: int, runs: list[dag.StageRun],
                      last: bool) -> str:
     """Commit what the iteration changed (dvc.lock, params, metrics); returns HEAD's sha.
@@ -84,21 +99,28 @@ def commit_iteration(root: Path, iteration: int, runs: list[dag.StageRun],
     iteration, go with the next commit), except the last one, which leaves a clean tree. The
     `iteration-k` tag marks the commit that holds iteration k's results.
     """
-    names = [r.name for r in runs]
-    lock = dag.read_lock(root)
-    head = dag.read_lock(root, git_bytes(root, "show", "HEAD:dvc.lock") or b"")
-    new = [n for n in names if lock.get(n) != head.get(n)]
+    new = _uncommitted(root, runs)
     git(root, "add", "-A")
     if git(root, "status", "--porcelain") and (new or last):
-        title = f"alignloop: iteration {iteration}" if new else "alignloop: declaration update"
-        outcomes = {r.name: r.outcome for r in runs}
-        body = ", ".join(f"{n} ({outcomes[n]})" for n in new) or "no stage ran"
-        git(root, "commit", "-q", "-m", f"{title}\n\nStages: {body}")
+        _commit(root, f"alignloop: iteration {iteration}" if new else
+                "alignloop: declaration update", runs, new)
     sha = git(root, "rev-parse", "HEAD")
     tag = f"iteration-{iteration}"
     if iteration > 0 and (new or not git(root, "tag", "--list", tag)):
         git(root, "tag", "-f", tag, sha)
     return sha
+
+
+def commit_final(root: Path, runs: list[dag.StageRun]) -> bool:
+    """Commit the final stages' dvc.lock entries (the report) when they differ from HEAD's, on
+    a commit of their own after the last iteration's: a report that fails to build costs no
+    iteration its record. True if it committed."""
+    new = _uncommitted(root, runs)
+    git(root, "add", "-A")
+    if not (new and git(root, "status", "--porcelain")):
+        return False
+    _commit(root, "alignloop: report", runs, new)
+    return True
 
 
 @task(name="record-iteration", task_run_name="record-iteration-{iteration}",
@@ -110,8 +132,6 @@ def record_iteration(root: str, iteration: int, runs: list[dag.StageRun],
     ends with one commit, one complete MLflow run, one reward-model and one policy version,
     and the champion on the latest iteration that passed its gate."""
     path = Path(root)
-    if last and flow_run.get_id():
-        dag.end_session(path, str(flow_run.get_id()))    # no stage checks after the last group
     signals.check()
     sha = commit_iteration(path, iteration, runs, last)
     crashpoints.reach("git_commit", iteration)
@@ -200,22 +220,17 @@ def ensure_experiment(root: Path) -> None:
         client.set_experiment_tag(exp_id, "mlflow.experimentKind", "custom_model_development")
 
 
-@task(name="report", cache_policy=NO_CACHE)
+@task(name="publish-report", cache_policy=NO_CACHE)
 def publish_report(root: str, last: Summary) -> dict[str, str]:
-    """Rebuild the run's report into .alignloop/report/, log it to the last iteration's MLflow
-    run and publish its table as a Prefect markdown artifact. Returns what was done (`html`,
-    `mlflow_run_id`, `prefect_artifact`). A failing step is a warning, never a failed run."""
+    """Log the report the `report` stage built to the last iteration's MLflow run and publish
+    its table as a Prefect markdown artifact. Returns what was done (`html`, `mlflow_run_id`,
+    `prefect_artifact`). A failing step is a warning, never a failed run."""
     from prefect.artifacts import create_markdown_artifact
 
-    from flows import report
+    from tasks import report
     path = Path(root)
-    done: dict[str, str] = {}
-    try:
-        html = report.build_report(path, report.report_dir(path))
-    except Exception as e:
-        warn(f"report: not built ({type(e).__name__}: {e})")
-        return done
-    done["html"] = str(html)
+    html = path / layout.REPORT_DIR / report.HTML_NAME
+    done: dict[str, str] = {"html": str(html)}
     say(f"report: {html}")
     try:
         run_id = str(last["mlflow_run_id"])        # every recorded iteration has its run
@@ -259,8 +274,9 @@ def alignloop(workspace: str, force: list[str] | None = None) -> list[Summary]:
     ensure_experiment(root)
     summaries = []
     stages = dag.ordered_stages(root)
-    final = max(s.iteration for s in stages)
-    for iteration, group in groupby(stages, key=lambda s: s.iteration):
+    loop = [s for s in stages if s.base not in layout.FINAL_STAGES]
+    final = max(s.iteration for s in loop)
+    for iteration, group in groupby(loop, key=lambda s: s.iteration):
         runs = []
         for s in group:
             signals.check()
@@ -272,6 +288,15 @@ def alignloop(workspace: str, force: list[str] | None = None) -> list[Summary]:
             registry.MlflowClient().set_tag(summary["mlflow_run_id"], f"{tracking.TAG}pushed",
                                             str(summary["pushed"]))
         summaries.append(summary)
+    runs = []
+    for s in stages:                                     # the report, after every iteration
+        if s.base in layout.FINAL_STAGES:
+            signals.check()
+            runs.append(run_stage(workspace, s.name, force=s.name in forced))
+    if flow_run.get_id():
+        dag.end_session(root, str(flow_run.get_id()))    # no stage checks after these
+    if commit_final(root, runs):
+        push_data(workspace)
     if summaries:
         summaries[-1]["report"] = publish_report(workspace, summaries[-1])
     sys.stdout.flush()

@@ -7,10 +7,16 @@ from __future__ import annotations
 PARAMS_FILE = "params.yaml"
 
 # the stages, in run order, as dvc.yaml declares them (tests/test_dvc_yaml.py): the set-up stages
-# run once, the loop stages once per iteration (`name@k`)
+# run once, the loop stages once per iteration (`name@k`), the final stages once after the last
+# iteration (they read every iteration's results)
 SETUP_STAGES = ("prompts", "prepare_model", "collect_offpolicy", "reference_samples")
 LOOP_STAGES = ("rollout", "judge", "train_rm", "update", "evaluate", "gate")
-STAGES = SETUP_STAGES + LOOP_STAGES
+FINAL_STAGES = ("report",)
+STAGES = SETUP_STAGES + LOOP_STAGES + FINAL_STAGES
+
+DATA_DIR = "data"                        # every dataset the stages write
+METRICS_DIR = "metrics"                  # every metrics file and gate decision (git-tracked)
+REPORT_DIR = "report"                    # the report page and its plots (stage `report`)
 
 PROMPTS_TRAIN = "data/prompts/train.jsonl"
 PROMPTS_HELDOUT = "data/prompts/heldout.jsonl"

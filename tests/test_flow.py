@@ -22,7 +22,7 @@ def test_every_stage_output_exists_with_its_md5_in_dvc_lock(tiny_run):
     ws, lock = tiny_run["ws"], _lock(tiny_run["ws"])
     expected = {"prompts", "prepare_model", "collect_offpolicy", "reference_samples"} | {
         f"{s}@{i}" for s in ("rollout", "judge", "train_rm", "update", "evaluate", "gate")
-        for i in ITERATIONS}
+        for i in ITERATIONS} | {"report"}
     assert set(lock) == expected
     for name, entry in lock.items():
         assert entry["outs"], name

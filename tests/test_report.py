@@ -1,5 +1,5 @@
 """The run's report: numbers, plots, the judge-gold divergence rule, escaping, and that the flow
-builds it, logs it to MLflow and publishes it as a Prefect artifact."""
+builds it as the DVC stage `report`, logs it to MLflow and publishes it as a Prefect artifact."""
 from __future__ import annotations
 
 import base64
@@ -7,14 +7,16 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import ROOT, run_cli
-from flows import report, report_plots
+from conftest import ROOT, copy_workspace, ran_stages, run_cli, set_params
+from tasks import report
 from tasks import atomic, jsonl, layout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -132,25 +134,13 @@ def test_plots_are_png_files_and_inlined(workspace, tmp_path):
         assert f"href='{name}.png'" in page
 
 
-def test_unchanged_inputs_are_not_rendered_again(workspace, tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    first = report.build_report(workspace, out).read_text()
-
-    def fail(*_: object) -> None:
-        raise AssertionError("rendered again")
-    monkeypatch.setattr(report_plots, "render_plots", fail)
-    assert report.build_report(workspace, out).read_text() == first       # same inputs: kept
-    with pytest.raises(AssertionError, match="rendered again"):          # forced: rebuilt
-        report.build_report(workspace, out, force=True)
-    for change in (lambda: atomic.write_json(workspace / layout.metrics(3, "update"),
-                                             {"update/steps": 5.0}),
-                   lambda: jsonl.write(workspace / layout.eval_samples(3), [_sample(0)])):
-        key = (out / report.INPUTS_NAME).read_text()
-        change()                                  # a metric or a sample changed: rebuilt
-        monkeypatch.undo()
-        report.build_report(workspace, out)
-        assert (out / report.INPUTS_NAME).read_text() != key
-        monkeypatch.setattr(report_plots, "render_plots", fail)
+def test_same_inputs_give_the_same_bytes(workspace, tmp_path):
+    """No clock, no commit on the page: DVC's run-cache and a rerun keep the same page."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    report.build_report(workspace, a), report.build_report(workspace, b)
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for f in a.iterdir():
+        assert f.read_bytes() == (b / f.name).read_bytes(), f.name
 
 
 def test_samples_are_escaped_and_limited_to_the_first_eight(workspace, tmp_path):
@@ -194,7 +184,7 @@ def test_markdown_table_for_the_prefect_artifact(workspace, tmp_path):
     assert str(tmp_path / "report.html") in md and "abc123" in md
 
 
-def test_a_failing_report_is_a_warning_not_a_failed_run(workspace, monkeypatch):
+def test_a_failing_publication_is_a_warning_not_a_failed_run(workspace, monkeypatch):
     from flows import pipeline          # imports Prefect, which sets up logging: then listen
 
     class Records(logging.Handler):
@@ -205,18 +195,26 @@ def test_a_failing_report_is_a_warning_not_a_failed_run(workspace, monkeypatch):
         def emit(self, record: logging.LogRecord) -> None:
             self.messages.append(record.getMessage())
 
-    def broken(*_: object) -> Path:
-        raise RuntimeError("plotting broke")
-    monkeypatch.setattr(report, "build_report", broken)
+    def unreachable(*_: object, **__: object) -> None:
+        raise ConnectionError("Prefect server gone")
+    monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", unreachable)
     records = Records()
     logger = logging.getLogger(pipeline.__name__)
     logger.addHandler(records)
-    try:
+    try:                                 # no MLflow run id, no Prefect server: both steps fail
         done = pipeline.publish_report.fn(str(workspace), {"iteration": 3, "stages": []})
     finally:
         logger.removeHandler(records)
-    assert done == {}
-    assert records.messages == ["report: not built (RuntimeError: plotting broke)"]
+    assert done == {"html": str(workspace / "report" / "report.html")}
+    assert records.messages[0] == "report: not logged to MLflow (KeyError: 'mlflow_run_id')"
+    assert records.messages[1] == "report: no Prefect artifact (ConnectionError: Prefect server gone)"
+
+
+def test_an_unreadable_metrics_file_is_one_line(workspace, tmp_path):
+    bad = workspace / "metrics" / "iter_3" / "notes.json"
+    bad.write_text("{not json")
+    with pytest.raises(jsonl.DataError, match=r"metrics/iter_3/notes.json: not a JSON object"):
+        report.build_report(workspace, tmp_path / "out")
 
 
 # --- through the flow: the tiny profile, run twice by the session fixture --------------------
@@ -235,10 +233,17 @@ def _last_iteration_run(ws: Path, iteration: int):
     return client, parents[0]
 
 
-def test_flow_builds_the_report_in_the_workspace(tiny_run):
+def _git(ws: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ws, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_flow_builds_the_report_as_a_dvc_stage(tiny_run):
     ws = tiny_run["ws"]
-    html = ws / ".alignloop" / "report" / "report.html"
-    for run in ("first", "second"):                      # rebuilt on the fully cached rerun too
+    html = ws / "report" / "report.html"
+    assert "[ran] report" in tiny_run["first"].stdout            # after the last iteration
+    assert "[cached] report" in tiny_run["second"].stdout        # DVC: nothing it shows changed
+    for run in ("first", "second"):
         assert f"report: {html}" in tiny_run[run].stdout
         assert "report: not" not in tiny_run[run].stdout + tiny_run[run].stderr
     page = html.read_text()
@@ -248,8 +253,36 @@ def test_flow_builds_the_report_in_the_workspace(tiny_run):
     assert "Sample outputs (iteration 2" in page
     for name in ("win_rates", "reward_vs_kl", "rm_accuracy", "length"):
         assert (html.parent / f"{name}.png").read_bytes().startswith(PNG_MAGIC), name
-    assert not subprocess.run(["git", "status", "--porcelain"], cwd=ws, capture_output=True,
-                              text=True).stdout.strip()           # git-ignored, not committed
+    # a DVC output on a commit of its own, after the last iteration's; the tree left clean
+    subjects = _git(ws, "log", "--format=%s").splitlines()
+    assert subjects[0] == "alignloop: report" and subjects.count("alignloop: report") == 1
+    assert subjects.index("alignloop: iteration 2") < subjects.index("alignloop: iteration 1")
+    assert _git(ws, "rev-parse", "iteration-2") != _git(ws, "rev-parse", "HEAD")
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]["report"]
+    assert [o["path"] for o in lock["outs"]] == ["report"]
+    assert {d["path"] for d in lock["deps"]} >= {"metrics", "data", "tasks/report.py"}
+    assert not _git(ws, "status", "--porcelain")
+    assert _git(ws, "check-ignore", "report/report.html")          # DVC's, not git's
+
+
+def test_a_report_that_fails_costs_no_iteration_its_record(tiny_run, tmp_path):
+    """A stray metrics file the report cannot read, and a gate threshold changed: the gates
+    rerun and are committed and recorded, then the report stage fails in one line; the last
+    good page is back and the tree is clean."""
+    ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")
+    page = (ws / "report" / "report.html").read_bytes()
+    (ws / "metrics" / "iter_2" / "notes.json").write_text("{not json")
+    set_params(ws / "params.yaml", gate__max_kl=123.0)
+    proc = run_cli("run", "--workspace", str(ws), check=False)
+    assert proc.returncode == 2                                 # bad data: the input errors' code
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "metrics/iter_2/notes.json: not a JSON object" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert ran_stages(proc.stdout) == ["gate@1", "gate@2"]
+    assert _git(ws, "log", "-1", "--format=%s") == "alignloop: iteration 2"
+    assert "gate@2 (ran)" in _git(ws, "log", "-1", "--format=%b")
+    assert (ws / "report" / "report.html").read_bytes() == page
+    assert not _git(ws, "status", "--porcelain")
 
 
 def test_flow_logs_the_report_to_the_last_iterations_mlflow_run(tiny_run):
@@ -281,7 +314,7 @@ def test_flow_publishes_a_prefect_artifact(tiny_run):
     proc = subprocess.run([sys.executable, "-c", QUERY_ARTIFACTS], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    html = tiny_run["ws"] / ".alignloop" / "report" / "report.html"
+    html = tiny_run["ws"] / "report" / "report.html"
     # the session's Prefect home is shared: other tests' workspaces publish reports too
     artifacts = [a for a in json.loads(proc.stdout.strip().splitlines()[-1])
                  if str(html) in a["data"]]
@@ -291,19 +324,26 @@ def test_flow_publishes_a_prefect_artifact(tiny_run):
         assert "| iteration |" in a["data"]
 
 
-def test_cli_report_html_rebuilds_and_prints_the_path(tiny_run):
-    ws = tiny_run["ws"]
-    html = ws / ".alignloop" / "report" / "report.html"
-    html.unlink()
+def test_cli_report_html_prints_the_path_and_rebuilds_a_stale_page(tiny_run, tmp_path):
+    ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")
+    html = ws / "report" / "report.html"
+    page = html.read_bytes()
     proc = run_cli("report", "--html", "--workspace", str(ws))
-    assert proc.stdout.strip() == str(html)
-    assert html.is_file()
+    assert proc.stdout.strip() == str(html) and not proc.stderr.strip()   # up to date: as is
+    shutil.rmtree(ws / "report")                                # gone: DVC brings it back
+    proc = run_cli("report", "--html", "--workspace", str(ws))
+    assert proc.stdout.strip() == str(html) and html.read_bytes() == page
+    assert not _git(ws, "status", "--porcelain")                 # the same page: same lock
+    samples = ws / layout.eval_samples(2)                        # a result it shows changed
+    jsonl.write(samples, [_sample(0)])
+    proc = run_cli("report", "--html", "--workspace", str(ws))
+    assert "report: ran" in proc.stderr and "Review movie 0" in html.read_text()
     assert run_cli("report", "--html", "--json", "--workspace", str(ws), check=False
                    ).returncode != 0                      # one output format at a time
 
 
 def test_intervals_are_also_reported_as_pairs() -> None:
-    from flows.report import with_intervals
+    from tasks.report import with_intervals
     m = with_intervals({"eval/win_rate": 0.8, "eval/win_rate_ci_low": 0.7,
                         "eval/win_rate_ci_high": 0.9, "eval/gold_win_rate_ci_low": 0.6})
     assert m["eval/win_rate_ci"] == [0.7, 0.9]
@@ -312,7 +352,7 @@ def test_intervals_are_also_reported_as_pairs() -> None:
 
 
 def test_plots_have_honest_axes_and_a_negative_kl_is_flagged():
-    from flows import report_plots
+    from tasks import report_plots
     rows = [{"iteration": 1, "eval/fluency_nll": 5.965, "eval/ref_fluency_nll": 5.97,
              "eval/win_rate": 0.55, "eval/kl": -0.14, "eval/gold_win_rate": 0.5},
             {"iteration": 2, "eval/fluency_nll": 5.985, "eval/ref_fluency_nll": 5.97,

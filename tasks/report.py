@@ -4,6 +4,9 @@ Rendering only: it reads what the stages wrote (metrics files, gate decisions, e
 samples, at the paths `tasks.layout` names) and formats it; it computes nothing the stages did
 not, beyond comparing one iteration's win rates with the previous one's. Every metric is
 optional: a workspace evaluated before a metric existed shows "—" where it was not measured.
+The page is a pure function of those files (no clock, no git HEAD on it): the `report` stage
+(tasks/stages/report.py) writes it as a DVC output, so DVC answers whether it is up to date and
+each commit's dvc.lock names the page built from its results.
 
 The plots are PNG files beside report.html and are also inlined into it as base64 data URIs,
 so the page is self-contained: it renders the same opened from disk, from the MLflow UI (which
@@ -15,14 +18,13 @@ from __future__ import annotations
 import base64
 import html
 import json
-import time
 from collections.abc import Callable, Mapping, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from flows.workspace import STATE_DIR, git
 from tasks import atomic, jsonl, layout
+from tasks.jsonl import DataError
 
 HTML_NAME = "report.html"
 N_SAMPLES = 8                    # sample outputs shown: the first prompts of the last iteration
@@ -31,23 +33,28 @@ JUDGE, GOLD = "eval/win_rate", "eval/gold_win_rate"
 Row = dict[str, Any]
 
 
-def report_dir(root: Path) -> Path:
-    """Where the flow and `alignloop report --html` write the report (git-ignored, not DVC)."""
-    return root / STATE_DIR / "report"
-
-
 def collect_report(root: Path) -> dict[str, dict[str, Any]]:
     """Per-iteration metrics from the metrics files that DVC tracks ("0": off-policy)."""
     out: dict[str, dict[str, Any]] = {}
     offpolicy = root / layout.OFFPOLICY_METRICS
     if offpolicy.is_file():
-        out["0"] = json.loads(offpolicy.read_text())
-    for d in sorted((root / "metrics").glob("iter_*"), key=lambda p: int(p.name[5:])):
+        out["0"] = _read_json(offpolicy)
+    for d in sorted((root / layout.METRICS_DIR).glob("iter_*"), key=lambda p: int(p.name[5:])):
         merged: dict[str, Any] = {}
         for f in sorted(d.glob("*.json")):
-            merged.update(json.loads(f.read_text()))
+            merged.update(_read_json(f))
         out[d.name[5:]] = with_intervals(merged)
     return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not a JSON object ({e})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: not a JSON object (a {type(data).__name__})")
+    return data
 
 
 def with_intervals(m: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +77,7 @@ def load_rows(root: Path) -> list[Row]:
         row: Row = {k: v for k, v in merged.items()
                     if "/" in k and isinstance(v, (int, float)) and not isinstance(v, bool)}
         gate = root / layout.gate(it)
-        row["iteration"], row["gate"] = it, json.loads(gate.read_text()) if gate.is_file() else None
+        row["iteration"], row["gate"] = it, _read_json(gate) if gate.is_file() else None
         rows.append(row)
     return rows
 
@@ -174,7 +181,7 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str]], ...] = (
 )
 
 
-# the page shows the plots (flows/report_plots.py) in this order
+# the page shows the plots (tasks/report_plots.py) in this order
 PLOT_ORDER = ("win_rates", "reward_vs_kl", "rm_accuracy", "on_topic", "reviews", "length",
               "fluency")
 
@@ -252,14 +259,11 @@ def _rows_with_suspects(root: Path) -> tuple[list[Row], list[int]]:
 
 def render_html(root: Path, rows: Sequence[Row], suspects: Sequence[int],
                 plots: Mapping[str, bytes]) -> str:
-    commit = git(root, "rev-parse", "--short", "HEAD", check=False) \
-        if (root / ".git").exists() else ""
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>alignloop report: "
-             f"{html.escape(root.name)}</title><style>{CSS}</style></head><body>",
-             f"<h1>alignloop report: {html.escape(root.name)}</h1>",
-             f"<p class=note>workspace {html.escape(str(root))}"
-             f"{', commit ' + html.escape(commit) if commit else ''}; generated "
-             f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}</p>"]
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>alignloop report</title>"
+             f"<style>{CSS}</style></head><body><h1>alignloop report</h1>",
+             "<p class=note>Built by the <code>report</code> stage from the metrics and "
+             "evaluation samples its dvc.lock entry names: the commit that holds that entry "
+             "holds these results.</p>"]
     if not rows:
         parts.append("<p>No evaluated iteration yet.</p></body></html>")
         return "\n".join(parts)
@@ -294,46 +298,19 @@ def render_html(root: Path, rows: Sequence[Row], suspects: Sequence[int],
     return "\n".join(parts)
 
 
-INPUTS_NAME = "inputs.md5"       # beside report.html: what the last build was made from
-
-
-def inputs_md5(root: Path) -> str:
-    """md5 of everything a build reads: the metrics and gate files, the evaluation samples, the
-    workspace's HEAD (shown on the page) and this module's own source."""
-    import hashlib
-    h = hashlib.md5(Path(__file__).read_bytes())
-    if (root / ".git").exists():
-        h.update(git(root, "rev-parse", "HEAD", check=False).encode())
-    files = [root / layout.OFFPOLICY_METRICS, *sorted((root / "metrics").glob("iter_*/*.json")),
-             *sorted((root / "data").glob("iter_*/" + Path(layout.eval_samples(1)).name))]
-    for f in files:
-        if f.is_file():
-            h.update(f"{f.relative_to(root)}\0".encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()
-
-
-def build_report(workspace: Path, out_dir: Path, force: bool = False) -> Path:
-    """Write report.html and its PNG plots into `out_dir`; returns the HTML's path. When the
-    inputs are those of the last build and its files are there, nothing is rendered again
-    (a fully cached rerun spent ~1 s in matplotlib for the same page); `force` always builds."""
+def build_report(workspace: Path, out_dir: Path) -> Path:
+    """Write report.html and its PNG plots into `out_dir` (replaced as a whole, atomically);
+    returns the HTML's path."""
+    from tasks.report_plots import render_plots    # matplotlib: only when a page is built
     root = Path(workspace)
-    out, key_path, key = out_dir / HTML_NAME, out_dir / INPUTS_NAME, inputs_md5(root)
-    if not force and out.is_file() and key_path.is_file() and key_path.read_text() == key:
-        return out
-    from flows.report_plots import render_plots    # matplotlib: only when a page is built
     rows, suspects = _rows_with_suspects(root)
     plots = render_plots(rows, suspects) if rows else {}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in PLOT_ORDER:                          # stale plots of an earlier build go
-        path = out_dir / f"{name}.png"
-        if name in plots:
-            atomic.write_bytes(path, plots[name])
-        else:
-            path.unlink(missing_ok=True)
-    atomic.write_text(out, render_html(root, rows, suspects, plots))
-    atomic.write_text(key_path, key)
-    return out
+    with atomic.directory(out_dir) as tmp:
+        for name in PLOT_ORDER:
+            if name in plots:
+                (tmp / f"{name}.png").write_bytes(plots[name])
+        (tmp / HTML_NAME).write_text(render_html(root, rows, suspects, plots))
+    return out_dir / HTML_NAME
 
 
 def _md_cell(text: str) -> str:

@@ -1,4 +1,4 @@
-"""The report's plots as PNG bytes (flows/report.py lays them out on the page): win rates,
+"""The report's plots as PNG bytes (tasks/report.py lays them out on the page): win rates,
 reward vs KL, RM accuracy, on-topic rate, length and fluency per iteration, with 95% intervals
 where the stages measured them. matplotlib's object API only (no pyplot: no global figure
 state in the flow), imported when a plot is drawn.
@@ -9,7 +9,7 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-from flows.report import GOLD, JUDGE, Row, value
+from tasks.report import GOLD, JUDGE, Row, value
 
 Series = tuple[str, str]          # (metric key, legend label)
 # Honest axes: rates on [0, 1]; lengths and NLLs from 0, so run-to-run noise (fluency
