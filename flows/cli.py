@@ -349,6 +349,7 @@ EXAMPLES = """examples:
   alignloop run                                # the default profile in ./workspace
   alignloop run --params params/tiny.yaml --workspace /tmp/w   # a 2-minute demo
   alignloop status --workspace /tmp/w          # what would rerun, and why (old -> new)
+  alignloop params update.dpo --params params/default.yaml   # what each key means, its value
   alignloop rerun train_rm@2 --downstream      # recompute one stage and what follows
   alignloop import hh.jsonl --workspace /tmp/w # your own preference pairs (TRL formats)
   alignloop lineage models:/alignloop-policy@champion --verify
@@ -380,6 +381,17 @@ def cmd_dag(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_params(args: argparse.Namespace) -> int:
+    from flows import params_doc
+    from tasks.params import load_params
+    params = load_params(Path(args.params)) if args.params else None
+    lines = params_doc.render(params, args.key or "")
+    if not lines:
+        raise InputError(f"{args.key}: no such params key (alignloop params lists them all)")
+    print("\n".join(lines))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="alignloop", description=__doc__, epilog=EXAMPLES,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -392,6 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--mermaid", action="store_true")
     fmt.add_argument("--dot", action="store_true")
     dg.set_defaults(func=cmd_dag)
+    pa = sub.add_parser("params", help="every params key (or those under KEY): its value in a "
+                                       "profile, type, default and meaning (from tasks/schemas/)")
+    pa.add_argument("key", nargs="?", help="a key or a section, e.g. update.dpo.beta or judge")
+    pa.add_argument("--params", help="a profile whose values to show (its base merged)")
+    pa.set_defaults(func=cmd_params)
     run = sub.add_parser("run", help="run the loop (creates the workspace if needed)")
     run.add_argument("--params", help="params profile (default: the workspace's params.yaml, "
                                       "or params/default.yaml for a new workspace)")

@@ -298,6 +298,9 @@ def alignloop(workspace: str, force: list[str] | None = None) -> list[Summary]:
     if commit_final(root, runs):
         push_data(workspace)
     if summaries:
-        summaries[-1]["report"] = publish_report(workspace, summaries[-1])
+        last = summaries[-1]
+        tracking.log_final_stages(root, str(last["mlflow_run_id"]), int(last["iteration"]),
+                                  runs, dag.read_lock(root))
+        last["report"] = publish_report(workspace, last)
     sys.stdout.flush()
     return summaries

@@ -146,22 +146,9 @@ def log_iteration(root: Path, iteration: int, runs: Sequence[StageRun], lock: di
                                run_name=f"iteration {iteration}").info.run_id
     remote, children, headline = remote_url(root), [], {}
     for i, r in enumerate(runs):
-        entry = lock.get(r.name, {})
-        stage_tags = {**tags, "mlflow.parentRunId": parent, f"{TAG}dvc_stage": r.name,
-                      f"{TAG}outcome": r.outcome, f"{TAG}code_md5": code_md5(entry)}
-        stage_tags.update({f"{TAG}out:{p}": m for p, m in entry_io(entry, "outs").items()})
-        stage_tags.update(ran_on(entry, r.outcome))
-        start = r.started or now
-        child = client.create_run(exp_id, start_time=_ms(start), tags=stage_tags,
-                                  run_name=r.name).info.run_id
-        params = {k: str(v) for k, v in
-                  flatten("", entry.get("params", {}).get(layout.PARAMS_FILE, {}), {}).items()}
-        metrics = {**stage_metrics(root, entry), "stage/seconds": r.seconds}
+        child, metrics = _log_stage_run(client, exp_id, root, parent, tags, r, lock, remote,
+                                        iteration)
         headline.update({k: v for k, v in metrics.items() if k in HEADLINE})
-        client.log_batch(child, params=[Param(k, v[:6000]) for k, v in params.items()],
-                         metrics=[Metric(k, v, _ms(now), iteration) for k, v in metrics.items()])
-        client.log_inputs(child, datasets=_datasets(root, entry, remote))
-        client.set_terminated(child, end_time=_ms(start + r.seconds))
         children.append(child)
         if i == len(runs) // 2:
             crashpoints.reach("mlflow_run", iteration)
@@ -174,6 +161,50 @@ def log_iteration(root: Path, iteration: int, runs: Sequence[StageRun], lock: di
     ends = [(r.started or now) + r.seconds for r in runs] or [now]
     client.set_terminated(parent, end_time=_ms(max(ends)))
     return parent
+
+
+def _log_stage_run(client: MlflowClient, exp_id: str, root: Path, parent: str,
+                   tags: dict[str, str], r: StageRun, lock: dict[str, Any], remote: str | None,
+                   iteration: int) -> tuple[str, dict[str, float]]:
+    """One stage run nested under `parent`: its lock entry's params, metrics, inputs (as
+    datasets with their DVC md5) and outputs; returns its id and metrics."""
+    entry, now = lock.get(r.name, {}), time.time()
+    stage_tags = {**tags, "mlflow.parentRunId": parent, f"{TAG}dvc_stage": r.name,
+                  f"{TAG}outcome": r.outcome, f"{TAG}code_md5": code_md5(entry)}
+    stage_tags.update({f"{TAG}out:{p}": m for p, m in entry_io(entry, "outs").items()})
+    stage_tags.update(ran_on(entry, r.outcome))
+    start = r.started or now
+    child = client.create_run(exp_id, start_time=_ms(start), tags=stage_tags,
+                              run_name=r.name).info.run_id
+    params = {k: str(v) for k, v in
+              flatten("", entry.get("params", {}).get(layout.PARAMS_FILE, {}), {}).items()}
+    metrics = {**stage_metrics(root, entry), "stage/seconds": r.seconds}
+    client.log_batch(child, params=[Param(k, v[:6000]) for k, v in params.items()],
+                     metrics=[Metric(k, v, _ms(now), iteration) for k, v in metrics.items()])
+    client.log_inputs(child, datasets=_datasets(root, entry, remote))
+    client.set_terminated(child, end_time=_ms(start + r.seconds))
+    return child, metrics
+
+
+def log_final_stages(root: Path, parent: str, iteration: int, runs: Sequence[StageRun],
+                     lock: dict[str, Any]) -> list[str]:
+    """The final stages (the report) as stage runs nested under the last iteration's run,
+    each once per lock entry: a stage run of these very bytes already logged (say by a run
+    killed after it) is not logged again. Returns the names logged now."""
+    client = MlflowClient()
+    exp_id = mlflow.set_experiment(EXPERIMENT).experiment_id
+    remote, logged = remote_url(root), []
+    for r in runs:
+        fp = fingerprint(lock, [r.name])
+        if client.search_runs([exp_id], filter_string=(
+                f"tags.`{TAG}dvc_stage` = '{r.name}' and tags.`{TAG}lock_fingerprint` = '{fp}'"),
+                max_results=1):
+            continue
+        tags = {f"{TAG}iteration": str(iteration), f"{TAG}lock_fingerprint": fp,
+                f"{TAG}workspace": str(root), f"{TAG}record": "done"}
+        _log_stage_run(client, exp_id, root, parent, tags, r, lock, remote, iteration)
+        logged.append(r.name)
+    return logged
 
 
 def loop_run(client: MlflowClient, exp_id: str, root: Path) -> str:

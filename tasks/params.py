@@ -39,14 +39,19 @@ from tasks.schemas.update import DPOParams, PPOParams, ReuseParams, UpdateParams
 @dataclass(frozen=True)
 class Iteration:
     """One item of the `iterations` mapping: its key names the iteration ("1", "2", ...)."""
-    prev: int                      # the iteration whose policy this one starts from
+    prev: int                       # the iteration whose policy this one starts from (0 = the
+                                    #   initial model)
 
 
 @dataclass(frozen=True)
 class Params:
-    iterations: dict[str, Iteration]
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"   # auto: cuda when torch sees one (lm.py)
+    iterations: dict[str, Iteration]  # the DAG is unrolled over these: "1": {prev: 0}, "2": {prev:
+                                    #   1}, ... (the key names the iteration; prev: the one whose
+                                    #   policy it starts from, 0 = the initial model)
+    seed: int = 0                   # one seed for the run; every stage derives its RNG from it
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto (cuda when torch sees one) | cpu |
+                                    #   cuda: where the torch stages run; bf16 autocast on cuda; a
+                                    #   DVC param of those stages (moving it reruns them)
     model: ModelParams = field(default_factory=ModelParams)
     prompts: PromptParams = field(default_factory=PromptParams)
     offpolicy: OffpolicyParams = field(default_factory=OffpolicyParams)

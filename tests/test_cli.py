@@ -24,7 +24,7 @@ def _line_of(path: Path, needle: str) -> int:
 
 
 def test_unknown_params_key_fails_before_creating_the_workspace(tmp_path):
-    bad = _bad_params(tmp_path, "  lr: 1.0e-3                  # AdamW", "  lrr: 1.0e-3                 # AdamW")
+    bad = _bad_params(tmp_path, "  lr: 1.0e-3\n", "  lrr: 1.0e-3\n")
     ws = tmp_path / "ws"
     proc = run_cli("run", "--params", str(bad), "--workspace", str(ws), check=False)
     assert proc.returncode == 2
@@ -35,7 +35,7 @@ def test_unknown_params_key_fails_before_creating_the_workspace(tmp_path):
 def test_bad_params_leave_an_existing_workspace_untouched(tiny_run, tmp_path):
     ws = tiny_run["ws"]
     before = snapshot(ws)
-    bad = _bad_params(tmp_path, "    beta: 0.1 ", "    beta: lots ")
+    bad = _bad_params(tmp_path, "    beta: 0.1\n", "    beta: lots\n")
     proc = run_cli("run", "--params", str(bad), "--workspace", str(ws), check=False)
     assert proc.returncode == 2
     assert f"{bad}:{_line_of(bad, 'beta: lots')}: update.dpo.beta: expected a finite number" in proc.stderr
@@ -43,7 +43,7 @@ def test_bad_params_leave_an_existing_workspace_untouched(tiny_run, tmp_path):
 
 
 def test_missing_model_path_is_named(tmp_path):
-    bad = _bad_params(tmp_path, "  source: tiny ", "  source: hf_dir ")
+    bad = _bad_params(tmp_path, "  source: tiny\n", "  source: hf_dir\n")
     bad.write_text(bad.read_text().replace('  path: ""', '  path: /no/such/model'))
     proc = run_cli("run", "--params", str(bad), "--workspace", str(tmp_path / "ws"), check=False)
     assert proc.returncode == 2
@@ -59,7 +59,7 @@ def test_malformed_import_row_fails_in_one_line_and_leaves_the_workspace_byte_id
         b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
         b'{"prompt": "a", "chosen": "", "rejected": "c"}\n')
     before = snapshot(ws, cache=False)
-    params = _bad_params(tmp_path, "  source: cold_start ", "  source: import ")
+    params = _bad_params(tmp_path, "  source: cold_start\n", "  source: import\n")
     proc = run_cli("run", "--params", str(params), "--workspace", str(ws), check=False)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
@@ -109,12 +109,11 @@ def test_relative_model_path_is_relative_to_the_profile_it_is_written_in(tmp_pat
     from flows.workspace import profile_text
     profile = tmp_path / "profiles" / "mine.yaml"
     profile.parent.mkdir()
-    profile.write_text(TINY.read_text().replace("  source: tiny ", "  source: hf_dir ", 1)
-                       .replace('  path: ""                    # hf_dir only',
-                                '  path: ../models/own   # mine', 1))
+    profile.write_text(TINY.read_text().replace("  source: tiny\n", "  source: hf_dir\n", 1)
+                       .replace('  path: ""\n', '  path: ../models/own   # mine\n', 1))
     text = profile_text(profile)
     want = str((tmp_path / "models" / "own").resolve())
-    assert f'  path: "{want}"   # mine: a directory written by save_pretrained\n' in text
+    assert f'  path: "{want}"   # mine\n' in text           # its comment kept
     assert text.count("\n") == profile.read_text().count("\n")
     proc = run_cli("run", "--params", str(profile), "--workspace", str(tmp_path / "ws"),
                    check=False)

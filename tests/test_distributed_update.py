@@ -179,7 +179,7 @@ def test_processes_must_be_positive() -> None:
     edit = lambda *pairs: head + "\nupdate:\n" + reduce(  # noqa: E731
         lambda t, p: t.replace(p[0], p[1], 1), pairs, update_etc)
     with pytest.raises(ParamsError, match=r"tiny.yaml:\d+: update.processes: must be >= 1"):
-        parse_params(edit(("processes: 1 ", "processes: 0 ")), "tiny.yaml")
-    ppo = parse_params(edit(("processes: 1 ", "processes: 2 "), ("algo: dpo ", "algo: ppo ")),
+        parse_params(edit(("processes: 1\n", "processes: 0\n")), "tiny.yaml")
+    ppo = parse_params(edit(("processes: 1\n", "processes: 2\n"), ("algo: dpo\n", "algo: ppo\n")),
                        "tiny.yaml")
     assert (ppo.update.processes, ppo.update.algo) == (2, "ppo")

@@ -44,7 +44,7 @@ def test_progress_output_names_each_stage(tiny_run):
 def test_second_run_is_fully_cached_and_changes_nothing(tiny_run):
     out = tiny_run["second"].stdout
     assert "[ran]" not in out and "[restored]" not in out
-    assert out.count("[cached]") == 16
+    assert out.count("[cached]") == 17                # 16 stage instances and the report
     assert tiny_run["head2"] == tiny_run["head"]
     assert tiny_run["after"] == tiny_run["before"]
 
@@ -71,7 +71,7 @@ def test_cached_rerun_still_counts_the_loop_minutes_it_recorded(tiny_run):
 def test_status_reports_every_stage_up_to_date(tiny_run):
     proc = run_cli("status", "--workspace", str(tiny_run["ws"]), "--json")
     states = json.loads(proc.stdout)
-    assert len(states) == 16
+    assert len(states) == 17
     assert {s["state"] for s in states} == {"up-to-date"}
 
 

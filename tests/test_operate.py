@@ -39,7 +39,8 @@ def test_evaluate_param_reruns_only_evaluation(ws):
     assert changed["evaluate@1"] == ["param evaluate.bootstrap: 500 -> 300"]   # old -> new
     moves = (ws / "registry" / "aliases.jsonl").read_text()
     ran = ran_stages(_run(ws).stdout)
-    assert {s for s in ran if not s.startswith("gate@")} == {"evaluate@1", "evaluate@2"}
+    assert {s for s in ran if not s.startswith("gate@")} == {"evaluate@1", "evaluate@2",
+                                                             "report"}   # what it shows changed
     # gate@1 and gate@2 reran: champion stays on the latest passing iteration, never moving
     # back to v1 and forward again (two moves, two commits, v1 left if stopped between them)
     assert (ws / "registry" / "aliases.jsonl").read_text() == moves
@@ -75,7 +76,7 @@ def test_rerun_one_stage_and_downstream(ws):
     out = run_cli("rerun", "train_rm@2", "--workspace", str(ws)).stdout
     assert ran_stages(out) == ["train_rm@2"]          # same bytes again: nothing else moves
     out = run_cli("rerun", "update@2", "--downstream", "--workspace", str(ws)).stdout
-    assert ran_stages(out) == ["update@2", "evaluate@2", "gate@2"]
+    assert ran_stages(out) == ["update@2", "evaluate@2", "gate@2", "report"]
     bad = run_cli("rerun", "nope@9", "--workspace", str(ws), check=False)
     assert bad.returncode == 2 and "nope@9: no such stage instance" in bad.stderr
 

@@ -208,12 +208,12 @@ def test_pairwise_params_are_checked(tmp_path: Path) -> None:
     from tasks.params import ParamsError, load_params
     text = (ROOT / "params" / "tiny.yaml").read_text()
     bad = tmp_path / "p.yaml"
-    bad.write_text(text.replace("  kind: lexicon ", "  kind: llm     "))
+    bad.write_text(text.replace("  kind: lexicon\n", "  kind: llm\n"))
     with pytest.raises(ParamsError, match=r"judge.model: judge.kind llm needs judge.model"):
         load_params(bad)
-    bad.write_text(text.replace("  kind: lexicon ", "  kind: http    ").replace(
-        '  model: ""  ', "  model: m    ", 1).replace("  decoding: greedy ",
-                                                      "  decoding: logprob "))
+    bad.write_text(text.replace("  kind: lexicon\n", "  kind: http\n").replace(
+        '  model: ""\n', "  model: m\n", 1).replace("  decoding: greedy\n",
+                                                      "  decoding: logprob\n"))
     with pytest.raises(ParamsError, match=r"judge.decoding: the http judge decodes greedily"):
         load_params(bad)
 

@@ -69,6 +69,6 @@ def test_default_profiles_pick_auto(tmp_path: Path) -> None:
         assert (p.train_rm.precision, p.update.dpo.precision) == ("auto", "auto"), name
     bad = tmp_path / "p.yaml"
     text = (REPO / "params" / "tiny.yaml").read_text()
-    bad.write_text(text.replace("    precision: fp32 ", "    precision: fp16 ", 1))
+    bad.write_text(text.replace("    precision: fp32\n", "    precision: fp16\n", 1))
     with pytest.raises(ParamsError, match=r"p\.yaml:\d+.*precision"):
         load_params(bad)

@@ -44,7 +44,7 @@ def test_an_error_names_the_file_and_line_that_hold_the_key(tmp_path: Path,
                                                             in_base: bool) -> None:
     text = TINY.read_text()
     if in_base:
-        text = text.replace("\nrollout:\n  n_prompts: 12 ", "\nrollout:\n  n_prompts: -1 ", 1)
+        text = text.replace("\nrollout:\n  n_prompts: 12\n", "\nrollout:\n  n_prompts: -1\n", 1)
     base = overlay(tmp_path / "profiles" / "base.yaml", text)
     over = overlay(tmp_path / "over.yaml", "base: profiles/base.yaml\n" +
                    ("" if in_base else "rollout:\n  n_prompts: -1\n"))
@@ -75,8 +75,9 @@ def test_a_bad_base_is_named_at_the_overlays_base_line(tmp_path: Path) -> None:
 
 def test_the_workspace_gets_the_merged_profile_in_one_file(tmp_path: Path) -> None:
     """A relative model.path stays relative to the file that wrote it (the base's directory)."""
-    text = TINY.read_text().replace("  source: tiny ", "  source: hf_dir ", 1).replace(
-        '  path: ""                    # hf_dir only', "  path: ../models/own   # the base's", 1)
+    text = TINY.read_text().replace("  source: tiny\n", "  source: hf_dir\n", 1).replace(
+        '  path: ""\n', "  path: ../models/own   # the base's\n", 1)
+    assert "path: ../models/own" in text
     base = overlay(tmp_path / "profiles" / "base" / "base.yaml", text)
     over = overlay(tmp_path / "over.yaml", "base: profiles/base/base.yaml\nseed: 5\n")
     ws = tmp_path / "ws"

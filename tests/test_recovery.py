@@ -215,7 +215,7 @@ def test_truncated_model_weights_fail_in_one_line_and_leave_the_workspace_byte_i
     weights = src / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])   # cut short
     profile = tmp_path / "own.yaml"
-    profile.write_text(TINY.read_text().replace("  source: tiny ", "  source: hf_dir ", 1)
+    profile.write_text(TINY.read_text().replace("  source: tiny\n", "  source: hf_dir\n", 1)
                        .replace('  path: ""', f'  path: "{src}"', 1))
     before, head = snapshot(ws, cache=False), _git(ws, "rev-parse", "HEAD")
     line = _one_line_failure(run_cli("run", "--params", str(profile), "--workspace", str(ws),

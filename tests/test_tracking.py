@@ -107,7 +107,7 @@ def test_stage_runs_that_ran_torch_record_the_resolved_device(tiny_run):
         name = run.data.tags.get("alignloop.dvc_stage")
         if name is None or run.data.tags.get("alignloop.outcome") != "ran":
             continue
-        declares = "device" in lock[name]["params"]["params.yaml"]
+        declares = "device" in lock[name].get("params", {}).get("params.yaml", {})  # report: none
         assert run.data.tags.get("alignloop.device") == (want if declares else None), name
         assert run.data.params.get("device") == ("auto" if declares else None), name
         seen.add(name.partition("@")[0])

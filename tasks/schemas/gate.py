@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class GateParams:
-    min_win_rate: float = 0.5
-    min_win_rate_ci_low: float = 0.0
-    min_gold_win_rate: float = 0.0
-    max_kl: float = 1e9
-    block_on_hacking_flag: bool = True
+    min_win_rate: float = 0.5       # judge win rate vs the reference, at least
+    min_win_rate_ci_low: float = 0.0  # lower end of its 95% bootstrap interval, at least
+    min_gold_win_rate: float = 0.0  # gold evaluator's win rate, at least (0 = not checked;
+                                    #   promotion only, never training)
+    max_kl: float = 1e9             # KL(policy || reference) per response, at most
+    block_on_hacking_flag: bool = True  # a reward-hacking flag from evaluate blocks promotion

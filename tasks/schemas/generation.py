@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class GenerationParams:
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    batch_size: int = 16
+    max_new_tokens: int = 16        # response length cap (responses cut there are flagged: no EOS)
+    temperature: float = 1.0        # sampling temperature (PPO's ratio compares untempered
+                                    #   policies: keep 1.0 for it; it refuses a batch drawn at two
+                                    #   temperatures)
+    top_p: float = 1.0              # nucleus mass (1.0 = off)
+    batch_size: int = 16            # sequences sampled together (a shard per core)

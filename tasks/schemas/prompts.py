@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PromptParams:
-    subjects_file: str = "params/prompts/movies.txt"
-    templates_file: str = "params/prompts/templates.txt"
-    n_train: int = 32
-    n_heldout: int = 16
+    subjects_file: str = "params/prompts/movies.txt"  # one subject (movie) per line, versioned (a
+                                    #   dep of the prompts stage)
+    templates_file: str = "params/prompts/templates.txt"  # instruction templates with {movie},
+                                    #   versioned
+    n_train: int = 32               # prompts the loop samples from (a rotating window per
+                                    #   iteration)
+    n_heldout: int = 16             # prompts about other subjects, only for evaluation

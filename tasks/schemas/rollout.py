@@ -8,7 +8,8 @@ from tasks.schemas.generation import GenerationParams
 
 @dataclass(frozen=True)
 class RolloutParams:
-    n_prompts: int = 16
-    samples_per_prompt: int = 4
+    n_prompts: int = 16             # prompts per iteration, a fresh window of the train prompts
+    samples_per_prompt: int = 4     # K samples per prompt (pairs: the judge's highest against
+                                    #   its lowest)
     generation: GenerationParams = field(default_factory=GenerationParams)
-    workers: int = 1            # Ray workers sampling shards of the batches (1 = no Ray)
+    workers: int = 1                # Ray workers sampling shards of the batches (1 = no Ray)

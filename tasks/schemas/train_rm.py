@@ -7,24 +7,35 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class TrainRMParams:
-    lr: float = 1e-3
-    epochs: int = 2
-    batch_size: int = 16
-    heldout_fraction: float = 0.2
-    max_length: int = 96
-    weight_decay: float = 0.0
-    margin: float = 0.0             # Bradley-Terry margin m: -log sigma(r_c - r_r - m)
-    ensemble: int = 1               # K members, differing by seed (head init, data order)
-    audit_top_n: int = 8            # audit queue: new pairs the members disagree on most
-    audit_random_n: int = 8         # audit queue: plus a seeded random sample of judge labels
-    precision: Literal["auto", "fp32", "bf16"] = "fp32"  # bf16: autocast matmuls (training,
-                                    # scoring); auto: bf16 where the CPU has native bf16 matmuls
-    num_layers: int = 0             # keep the backbone's first N blocks (0 = all)
-    num_layers_grid: tuple[int, ...] = ()   # probe alone: choose N from these with the L2, by
-                                    # the same CV (no key, or < 5 prompts: num_layers as is)
-    pooling: Literal["last", "mean"] = "last"     # the head reads the last token, or the mean
-    head_init: Literal["random", "probe"] = "random"  # probe: fitted on frozen features first
-    probe_l2: float = 0.1           # probe: L2 strength (on standardised features)
-    probe_l2_grid: tuple[float, ...] = ()   # probe: choose the L2 from these by 5-fold CV
-                                    # over the training prompts (empty: probe_l2 as is)
-    processes: int = 1              # > 1: fine-tuning epochs on N ranks under torchrun (DDP)
+    lr: float = 1e-3                # AdamW learning rate (fine-tuning)
+    epochs: int = 2                 # fine-tuning passes over the pair pool (after the probe, with
+                                    #   head_init: probe; 0 = the probe alone)
+    batch_size: int = 16            # pairs per step (fine-tuning; a prompt's pairs stay together)
+    heldout_fraction: float = 0.2   # share of prompts held out for pairwise accuracy
+    max_length: int = 96            # prompt + response tokens
+    weight_decay: float = 0.0       # AdamW weight decay
+    margin: float = 0.0             # Bradley-Terry margin m: -log sigmoid(r_c - r_r - m)
+    ensemble: int = 1               # K reward models differing by seed (head init, data order);
+                                    #   K > 1: their disagreement feeds the audit queue and the
+                                    #   monitors
+    audit_top_n: int = 8            # audit queue: the new pairs the ensemble disagrees on most
+                                    #   (K > 1)
+    audit_random_n: int = 8         # audit queue: plus a seeded random sample of new judge labels
+    precision: Literal["auto", "fp32", "bf16"] = "fp32"  # auto | fp32 | bf16 (autocast matmuls,
+                                    #   training and scoring); auto: bf16 only where the CPU runs
+                                    #   bf16 matmuls natively
+    num_layers: int = 0             # backbone blocks the RM keeps, the first N (0 = all)
+    num_layers_grid: tuple[int, ...] = ()  # probe alone: N chosen from these with the probe's L2
+                                    #   by 5-fold CV over the training prompts (empty, or fewer
+                                    #   than 5 training prompts: num_layers as is)
+    pooling: Literal["last", "mean"] = "last"  # what the head reads: last (HF's last token) | mean
+                                    #   (the mean state over the response)
+    head_init: Literal["random", "probe"] = "random"  # random | probe (the head fitted first on
+                                    #   frozen features by logistic regression)
+    probe_l2: float = 0.1           # probe: L2 strength on standardised features (no grid, or
+                                    #   fewer than 5 prompts)
+    probe_l2_grid: tuple[float, ...] = ()  # probe: the L2 chosen from these by 5-fold CV over the
+                                    #   training prompts (log-loss; held-out pairs unread; empty:
+                                    #   probe_l2 as is)
+    processes: int = 1              # > 1: fine-tuning epochs on N ranks under torchrun (DDP, the
+                                    #   same global batch)

@@ -7,56 +7,74 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class DPOParams:
-    loss: Literal["sigmoid", "ipo", "cdpo"] = "sigmoid"
-    beta: float = 0.1
-    lr: float = 1e-4
-    epochs: int = 1
-    batch_size: int = 8
-    label_smoothing: float = 0.0    # cdpo only: assumed label-flip rate eps, in [0, 0.5)
-    sft_weight: float = 0.0         # + w * per-token NLL of the chosen response (an SFT anchor)
-    pair_source: Literal["judge", "rm"] = "judge"   # who picks best vs worst of the K rollouts
-    offpolicy_mix: float = 0.0      # fraction of training pairs drawn from the previous pool
-    offpolicy_weight: float = 1.0   # loss weight of those off-policy pairs
-    precision: Literal["auto", "fp32", "bf16"] = "fp32"  # bf16: autocast matmuls (policy and
-                                    # reference); auto: bf16 where the CPU has native bf16 matmuls
+    loss: Literal["sigmoid", "ipo", "cdpo"] = "sigmoid"  # sigmoid (DPO) | ipo (per-token mean log-
+                                    #   ratios) | cdpo (conservative: label_smoothing)
+    beta: float = 0.1               # KL strength of the implicit reward
+    lr: float = 1e-4                # AdamW learning rate
+    epochs: int = 1                 # passes over the pairs
+    batch_size: int = 8             # pairs per step
+    label_smoothing: float = 0.0    # cdpo only: the assumed judge label-flip rate eps, in [0, 0.5)
+    sft_weight: float = 0.0         # SFT anchor (RPO): + w * per-token NLL of the chosen response
+    pair_source: Literal["judge", "rm"] = "judge"  # who picks best vs worst of the K rollouts:
+                                    #   judge (judge@k's pairs) | rm (this iteration's RM)
+    offpolicy_mix: float = 0.0      # fraction of DPO pairs drawn from the previous pair pool;
+                                    #   auto: 0.5 with offpolicy.source: import (imported pairs
+                                    #   train the policy too), else 0
+    offpolicy_weight: float = 1.0   # loss weight of those off-policy pairs (on-policy pairs: 1)
+    precision: Literal["auto", "fp32", "bf16"] = "fp32"  # auto | fp32 | bf16 (autocast matmuls of
+                                    #   the policy and reference passes); auto: bf16 only where the
+                                    #   CPU runs bf16 matmuls natively
 
 
 @dataclass(frozen=True)
 class ReuseParams:
     """Off-policy reuse of earlier iterations' rollouts, reweighted by truncated pi/mu."""
-    iterations_back: int = 0        # 0: on-policy only; 1: also the previous iteration's rollouts
-    truncate: tuple[float, ...] = (0.0, 2.0)   # [lo, hi] the importance weights are clipped to
-    level: Literal["token", "sequence"] = "sequence"   # per-token ratios or one per response
-    max_staleness: int = 1          # drop reused samples drawn more iterations ago than this
+    iterations_back: int = 0        # 0 = on-policy only | 1 = also the previous iteration's
+                                    #   rollouts
+    truncate: tuple[float, ...] = (0.0, 2.0)  # [lo, hi]: importance weights pi/mu are clipped to
+                                    #   it
+    level: Literal["token", "sequence"] = "sequence"  # sequence (one ratio per response) | token
+                                    #   (one per token)
+    max_staleness: int = 1          # drop reused samples drawn more than this many iterations ago
 
 
 @dataclass(frozen=True)
 class PPOParams:
-    lr: float = 1e-4
-    clip: float = 0.2
-    kl_coef: float = 0.05
-    epochs: int = 2
-    minibatch_size: int = 8
+    lr: float = 1e-4                # AdamW learning rate of the policy
+    clip: float = 0.2               # ratio clip epsilon
+    kl_coef: float = 0.05           # per-token KL penalty to the reference (in the reward or the
+                                    #   loss: kl_mode)
+    epochs: int = 2                 # passes over the rollouts (few: the data is on-policy only
+                                    #   once)
+    minibatch_size: int = 8         # rollouts per step
     gamma: float = 1.0              # GAE discount over response tokens
-    lam: float = 0.95               # GAE lambda
-    value_lr: float = 1e-3          # AdamW learning rate of the value head
-    value_clip: float = 0.2         # value clipping range around the rollout-time values
-    whiten_advantages: bool = True  # normalise advantages over the batch
-    target_kl: float = 0.0          # stop the epochs once approx KL(pi_old || pi) exceeds it; 0 = off
-    kl_mode: Literal["reward", "loss"] = "reward"   # KL to the reference: in the reward or the loss
-    kl_estimator: Literal["k1", "k3"] = "k1"        # the per-token KL estimator used for it
-    no_eos: Literal["penalty", "drop", "keep"] = "keep"   # responses truncated without EOS
+    lam: float = 0.95               # GAE lambda (1 = Monte Carlo returns, 0 = one-step TD)
+    value_lr: float = 1e-3          # AdamW learning rate of the value head (a probe on the
+                                    #   policy's states)
+    value_clip: float = 0.2         # value clipping: V may move at most this far from the rollout-
+                                    #   time V
+    whiten_advantages: bool = True  # normalise advantages to mean 0, std 1 over the batch
+    target_kl: float = 0.0          # early stop of the epochs once approx KL(pi_old || pi) per
+                                    #   token exceeds it; 0 = off
+    kl_mode: Literal["reward", "loss"] = "reward"  # KL to the reference: reward (a per-token
+                                    #   penalty) | loss (a loss term)
+    kl_estimator: Literal["k1", "k3"] = "k1"  # k1 (log pi/ref) | k3 ((r - 1) - log r, r = ref/pi;
+                                    #   >= 0)
+    no_eos: Literal["penalty", "drop", "keep"] = "keep"  # responses cut at max_new_tokens (no
+                                    #   EOS): keep | penalty | drop
     no_eos_penalty: float = 1.0     # penalty only: subtracted from their normalised score
-    reward_clip: float = 0.0        # clip normalised scores to [-c, c]; 0 = off
-    value_reuse: bool = True        # start the value head from the previous iteration's
+    reward_clip: float = 0.0        # clip normalised RM scores to [-c, c]; 0 = off
+    value_reuse: bool = True        # the critic starts from the previous iteration's value head
     reuse: ReuseParams = field(default_factory=ReuseParams)
 
 
 @dataclass(frozen=True)
 class UpdateParams:
-    algo: Literal["dpo", "ppo"] = "dpo"
-    reference: Literal["initial", "previous"] = "initial"
-    max_length: int = 96
-    processes: int = 1              # > 1: the update (DPO, PPO) on N ranks under torchrun (DDP)
+    algo: Literal["dpo", "ppo"] = "dpo"  # dpo (on this iteration's pairs) | ppo (the RM's reward)
+    reference: Literal["initial", "previous"] = "initial"  # initial (iteration 0's model) |
+                                    #   previous (the last iteration's policy)
+    max_length: int = 96            # prompt + response tokens (DPO pairs, PPO's scoring)
+    processes: int = 1              # > 1: DPO or PPO on N ranks under torchrun (DDP, the same
+                                    #   global batch)
     dpo: DPOParams = field(default_factory=DPOParams)
     ppo: PPOParams = field(default_factory=PPOParams)
