@@ -161,21 +161,36 @@ def sync_declaration(root: Path, params_file: Path) -> list[str]:
     if root.resolve() == PROJECT_ROOT:
         return []
     changed = []
-    pairs = [(PROJECT_ROOT / "dvc.yaml", root / "dvc.yaml"),
-             (params_file, root / layout.PARAMS_FILE)]
+    if _sync_file(params_file, root / layout.PARAMS_FILE, profile_text(params_file).encode()):
+        changed.append(layout.PARAMS_FILE)
+    if _sync_file(PROJECT_ROOT / "dvc.yaml", root / "dvc.yaml", _rendered(root, PROJECT_ROOT)):
+        changed.append("dvc.yaml")
     sources = _sources(PROJECT_ROOT)
-    pairs += [(PROJECT_ROOT / rel, root / rel) for rel in sorted(sources)]
+    pairs = [(PROJECT_ROOT / rel, root / rel) for rel in sorted(sources)]
     for name in DATA_DIRS:
         pairs += [(f, root / "params" / name / f.name)
                   for f in sorted((PROJECT_ROOT / "params" / name).iterdir()) if f.is_file()]
     for src, dst in pairs:
-        data = profile_text(src).encode() if dst.name == layout.PARAMS_FILE else None
-        if _sync_file(src, dst, data):
+        if _sync_file(src, dst):
             changed.append(str(dst.relative_to(root)))
     for rel in sorted(_sources(root) - sources):
         (root / rel).unlink()
         changed.append(f"{rel} (removed)")
     return changed
+
+
+def _rendered(root: Path, template_root: Path) -> bytes:
+    """The pipeline declaration for the workspace's params: dvc.yaml (from `template_root`)
+    with each `# if:` dep kept or commented out (tasks/conditions.py)."""
+    from tasks import conditions
+    template = (template_root / "dvc.yaml").read_text()
+    return conditions.render(template, load_params(root / layout.PARAMS_FILE)).encode()
+
+
+def render_declaration(root: Path) -> bool:
+    """Render the workspace's own dvc.yaml again for its params.yaml (a run that keeps the
+    workspace's declaration: params edited there by hand); True if it changed."""
+    return _sync_file(root / "dvc.yaml", root / "dvc.yaml", _rendered(root, root))
 
 
 def _sources(root: Path) -> set[str]:
@@ -292,7 +307,11 @@ def prepare(root: Path, params_file: Path | None) -> tuple[Workspace, list[str]]
         raise FileNotFoundError(f"{root}: no params.yaml; pass --params FILE")
     validate(root, params_file)                    # fails before the workspace is touched
     init(root)
-    changed = sync_declaration(root, params_file) if params_file is not None else []
+    if params_file is not None:
+        changed = sync_declaration(root, params_file)
+    else:
+        changed = ["dvc.yaml"] if (root / "dvc.yaml").is_file() and \
+            root != PROJECT_ROOT and render_declaration(root) else []
     return Workspace(root), changed
 
 

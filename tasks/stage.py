@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -49,12 +49,15 @@ class Contract:
     are paths in the workspace for an iteration `it` and the iteration `prev` it starts from
     (loop stages; set-up stages ignore both), through tasks/layout.py: `deps` the data it
     reads (its sources are found from its imports), `outs` what it writes, `metrics` its
-    metrics files (git-tracked, not cached). `name`: the stage's, as dvc.yaml names it."""
+    metrics files (git-tracked, not cached). `name`: the stage's, as dvc.yaml names it.
+    `when`: deps read under some params only, by condition (tasks/conditions.py): dvc.yaml
+    marks them `# if: NAME`, and the stage calls `conditions.check` before it reads."""
     name: str
     params: tuple[str, ...]
     deps: Paths = _none
     outs: Paths = _none
     metrics: Paths = _none
+    when: Mapping[str, Paths] = field(default_factory=dict)
     keys: frozenset[tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

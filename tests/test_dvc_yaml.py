@@ -353,3 +353,33 @@ def test_templated_values_exist_in_tiny() -> None:
             for ref in re.findall(r"\$\{([^}]+)\}", text):
                 if ref.split(".")[0] not in ("key", "item"):
                     lookup(TINY, ref)        # raises KeyError when the profile lacks it
+
+
+# --- conditional deps (tasks/conditions.py) ----------------------------------------------------
+
+def test_conditional_deps_are_the_contracts_when() -> None:
+    """Each dep dvc.yaml marks `# if: NAME` is one the stage's contract reads under NAME, and
+    the other way round; a stage with conditional deps checks them before it reads."""
+    from tasks import conditions
+    text = (ROOT / "dvc.yaml").read_text()
+    marked: dict[tuple[str, str], set[str]] = {}
+    stage = None
+    for line in text.splitlines():
+        if re.match(r"^  (\w+):\s*$", line):
+            stage = line.strip().rstrip(":")
+        m = conditions.MARK.match(line)
+        if m:
+            marked.setdefault((stage or "", m.group(4)), set()).add(m.group(3)[2:])
+    want = {}
+    for name in STAGES:
+        c = contract(name)
+        for cond, paths in c.when.items():
+            assert cond in conditions.CONDITIONS, f"{name}: {cond} is no condition"
+            want[(name, cond)] = set(paths("${key}", "${item.prev}"))
+        if c.when:
+            tree = ast.parse((ROOT / "tasks" / f"{module_of(name)}.py").read_text())
+            main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+            assert "conditions.check(CONTRACT" in ast.unparse(main), \
+                f"{name}: main does not check its conditional deps"
+    assert marked == want
+    assert set(conditions.CONDITIONS) == {c for _, c in marked}

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from tasks import (atomic, distributed, jsonl, layout, lm, mlflow_model, model_card, stage,
-                   value_head)
+from tasks import (atomic, conditions, distributed, jsonl, layout, lm, mlflow_model, model_card,
+                   stage, value_head)
 from tasks.device import device_of
 from tasks.distributed import SINGLE, Group
 from tasks.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
@@ -35,11 +35,17 @@ CONTRACT = stage.Contract(
     deps=lambda it, prev: (layout.pairs(it), layout.rollouts(it), layout.pairs_pool(prev),
                            layout.reward_model(it), layout.policy(0), layout.policy(prev)),
     outs=lambda it, prev: (layout.policy(it),),
-    metrics=lambda it, prev: (layout.metrics(it, "update"),))
+    metrics=lambda it, prev: (layout.metrics(it, "update"),),
+    when={"update_reads_judge_pairs": lambda it, prev: (layout.pairs(it),),
+          "update_reads_reward_model": lambda it, prev: (layout.rollouts(it),
+                                                         layout.reward_model(it)),
+          "update_reads_pair_pool": lambda it, prev: (layout.pairs_pool(prev),),
+          "update_reads_initial_policy": lambda it, prev: (layout.policy(0),)})
 
 
 def reference_dir(p: Params, it: int) -> str:
-    return layout.policy(0) if p.update.reference == "initial" else layout.policy(it - 1)
+    return layout.policy(0) if conditions.holds("update_reads_initial_policy", p) else \
+        layout.policy(it - 1)
 
 
 Writer = Callable[[Path], None]   # writes an extra file into the new policy directory
@@ -63,7 +69,7 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
     mpt, max_len = p.model.max_prompt_tokens, p.update.max_length
     encode = lambda ps: encode_pairs(tok, ps, mpt, max_len)  # type: ignore[arg-type]  # noqa: E731
     metrics: dict[str, float] = {}
-    if d.pair_source == "rm":       # best vs worst of each prompt's K rollouts by this RM
+    if conditions.holds("update_reads_reward_model", p):   # best vs worst of K by this RM
         path = str(root / layout.rollouts(it))
         rollouts = [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
         rm = load_reward_model(root / layout.reward_model(it), device_of(policy))
@@ -72,7 +78,7 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
         path = str(root / layout.pairs(it))
         onpolicy = encode([parse_pair(rec, path, n, f"iter_{it}") for n, rec in jsonl.read(path)])
     offpolicy = []
-    if d.offpolicy_mix > 0:         # a share of the previous pool, off-policy for this policy
+    if conditions.holds("update_reads_pair_pool", p):   # a share of the previous pool
         pool_path = str(root / layout.pairs_pool(it - 1))
         pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
         pick = offpolicy_indices(len(onpolicy), len(pool), d.offpolicy_mix,
@@ -160,6 +166,7 @@ def write_policy(policy: torch.nn.Module, tok: object, p: Params, root: Path, it
 def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "", CONTRACT)
     p, it, root = args.params, args.it, args.root
+    conditions.check(CONTRACT, p, root)       # what it reads is declared for these params
     group = distributed.enter("tasks.stages.update", argv, p.update.processes)
     if group is None:                         # ran on N ranks under torchrun
         return
