@@ -20,8 +20,8 @@ from pathlib import Path
 from tasks import jsonl, layout, lm
 from tasks.params import load_params
 from tasks.records import parse_pair
-from tasks.reward_model import (PROBE_FOLDS, _probe_fit, depth_features, encode_pairs,
-                                heldout_split, init_reward_model, pair_diffs, probe_cv)
+from tasks.probe import PROBE_FOLDS, _probe_fit, depth_features, pair_diffs, probe_cv
+from tasks.reward_model import encode_pairs, heldout_split, init_reward_model
 
 
 def depths_arg(text: str) -> list[int]:

@@ -23,8 +23,9 @@ from tasks.judges import make_judge
 from tasks.labelling import judge_groups, pool_margin, rollout_groups
 from tasks.params import TrainRMParams, load_params
 from tasks.records import parse_rollout
-from tasks.reward_model import (RewardEnsemble, encode_pairs, ensemble_metrics, fit_probe_head,
-                                heldout_split, init_reward_model, train_reward)
+from tasks.probe import fit_probe_head
+from tasks.reward_model import (RewardEnsemble, encode_pairs, ensemble_metrics, heldout_split,
+                                init_reward_model, train_reward)
 
 
 def main() -> None:

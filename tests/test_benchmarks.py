@@ -228,8 +228,8 @@ def test_rm_depth_reports_every_depth_and_picks_as_train_rm_would(tiny_run) -> N
     from tasks import jsonl, layout, lm
     from tasks.params import load_params
     from tasks.records import parse_pair
-    from tasks.reward_model import (choose_depth, encode_pairs, heldout_split,
-                                    init_reward_model)
+    from tasks.probe import choose_depth
+    from tasks.reward_model import encode_pairs, heldout_split, init_reward_model
     ws = tiny_run["ws"]
     proc = subprocess.run([sys.executable, "benchmarks/rm_depth.py", "--workspace", str(ws),
                            "--depths", "1-2"], cwd=ROOT, capture_output=True, text=True,

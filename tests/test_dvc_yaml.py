@@ -46,12 +46,26 @@ def _module(dotted: str) -> str:
     return "/".join(dotted.split(".")[1:])
 
 
+def _runtime_nodes(tree: ast.AST):
+    """ast.walk, less the bodies of `if TYPE_CHECKING:` blocks."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                todo.extend(child.orelse)
+            else:
+                todo.append(child)
+
+
 def imports_in(source: str) -> set[str]:
     """tasks modules a Python source imports anywhere (function-level imports included), as
     paths under tasks/ without .py. The packages' __init__ files hold no code
-    (test_packages_hold_no_code) and are not deps."""
+    (test_packages_hold_no_code) and are not deps; imports under `if TYPE_CHECKING:` never
+    run and are not deps either."""
     out: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in _runtime_nodes(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if node.module in ("tasks", "tasks.stages"):      # from tasks[.stages] import a, b
                 out |= {_module(f"{node.module}.{a.name}") for a in node.names}
@@ -248,6 +262,10 @@ def test_import_scanner_sees_every_import_form() -> None:
     assert {"tiny_model", "gguf_convert"} <= prepare                      # in a function
     evaluate = "stages/evaluate"
     assert "sampling" in closure(evaluate) and "sampling" not in direct_imports(evaluate)
+    assert "probe" not in direct_imports("reward_model")     # under `if TYPE_CHECKING:` only
+    assert "probe" in direct_imports("stages/train_rm")
+    assert imports_in("if TYPE_CHECKING:\n    import tasks.a\nelse:\n    import tasks.b\n") \
+        == {"b"}
 
 
 # --- artifact paths ---------------------------------------------------------------------------

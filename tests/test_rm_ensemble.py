@@ -286,7 +286,8 @@ def test_mean_pooling_and_the_probe_head_learn_a_word_preference(tmp_path: Path)
     on frozen features so that held-out pairs with the same preference (token 7 good, token 9
     bad, anywhere in the response) are ranked right, with no gradient step on the backbone."""
     from tasks.params import TinyModelParams, TrainRMParams
-    from tasks.reward_model import fit_probe_head, init_reward_model, pair_margins
+    from tasks.probe import fit_probe_head
+    from tasks.reward_model import init_reward_model, pair_margins
     from tasks.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     model = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
@@ -317,8 +318,9 @@ def test_frozen_features_give_the_same_probe_and_metrics_as_rescoring(
     scoring the pairs again through the model (to float32 noise), and a response seen in many
     pairs goes through the backbone once."""
     from tasks.params import TinyModelParams, TrainRMParams
-    from tasks.reward_model import (EncodedPair, FrozenFeatures, ensemble_metrics,
-                                    fit_probe_head, heads, init_reward_model, pair_margins)
+    from tasks.probe import FrozenFeatures, fit_probe_head
+    from tasks.reward_model import (EncodedPair, ensemble_metrics, heads, init_reward_model,
+                                    pair_margins)
     from tasks.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     g = torch.Generator().manual_seed(5)
@@ -334,15 +336,15 @@ def test_frozen_features_give_the_same_probe_and_metrics_as_rescoring(
     fit_probe_head(plain, train, p, pad_id=0)
     cached = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
     cache = FrozenFeatures(cached, 0, p.pooling, p.precision)
-    from tasks import reward_model
+    from tasks import probe
     computed: list[int] = []       # responses through the cached model's backbone
-    real = reward_model.features
+    real = probe.features
 
     def counting(model, prompts, responses, *a, **k):  # type: ignore[no-untyped-def]
         if model is cached:
             computed.append(len(responses))
         return real(model, prompts, responses, *a, **k)
-    monkeypatch.setattr(reward_model, "features", counting)
+    monkeypatch.setattr(probe, "features", counting)
     fit_probe_head(cached, train, p, pad_id=0, cache=cache)
     assert torch.equal(cached.score.weight, plain.score.weight)
     for members in ([plain], [plain, init_reward_model(tmp_path, torch.Generator().manual_seed(1))]):
@@ -390,7 +392,7 @@ def test_cross_validation_over_prompts_picks_the_l2_that_predicts_fresh_pairs() 
     """choose_probe_l2 reads only the training pairs and lands on the side of the grid that
     predicts fresh pairs better, in both directions: strong where a weak L2 overfits, weak
     where a strong one cannot separate the signal. The folds group pairs by prompt."""
-    from tasks.reward_model import _probe_fit, choose_probe_l2, probe_fold
+    from tasks.probe import _probe_fit, choose_probe_l2, probe_fold
     grid = (0.001, 0.01, 0.1, 1.0, 10.0)
     for make, n, side in ((_isotropic, 30, "strong"), (_confounded, 800, "weak")):
         diff, prompts = make(n, 0)
@@ -413,7 +415,8 @@ def test_probe_head_reports_the_chosen_l2_and_falls_back_below_five_prompts(tmp_
     weights as fitting that L2 directly) and the metrics name it; with fewer training prompts
     than folds, `probe_l2` is used as written."""
     from tasks.params import TinyModelParams, TrainRMParams
-    from tasks.reward_model import EncodedPair, fit_probe_head, init_reward_model
+    from tasks.probe import fit_probe_head
+    from tasks.reward_model import EncodedPair, init_reward_model
     from tasks.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     g = torch.Generator().manual_seed(4)
@@ -441,7 +444,8 @@ def test_features_at_every_depth_equal_a_truncated_models(tmp_path: Path, poolin
     """One forward pass through all blocks gives, for each depth d, exactly the features a
     model cut to d blocks computes (its final norm included)."""
     from tasks.params import TinyModelParams
-    from tasks.reward_model import features, features_at_depths, init_reward_model
+    from tasks.probe import features_at_depths
+    from tasks.reward_model import features, init_reward_model
     from tasks.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=4), 0, tmp_path)
     prompts, responses = [(21, 22, 23), (21, 22, 23), (30,)], [(40, 41), (42,), (50, 51, 52)]
@@ -460,8 +464,8 @@ def test_the_probes_depth_is_chosen_by_cross_validation_and_kept(tmp_path: Path)
     depth; it cuts the model to it, and the probe fitted through its cache is bit for bit the
     probe fitted on a fresh model of that depth. A grid deeper than the backbone is one line."""
     from tasks.params import TinyModelParams, TrainRMParams
-    from tasks.reward_model import (PROBE_FOLDS, FrozenFeatures, choose_depth, depth,
-                                    fit_probe_head, init_reward_model, probe_cv)
+    from tasks.probe import PROBE_FOLDS, FrozenFeatures, choose_depth, fit_probe_head, probe_cv
+    from tasks.reward_model import depth, init_reward_model
     from tasks.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=3), 0, tmp_path)
     train = _word_pairs(10, 4, torch.Generator().manual_seed(5))

@@ -20,9 +20,9 @@ from tasks.distributed import SINGLE, Group
 from tasks.jsonl import DataError
 from tasks.params import Params
 from tasks.records import PreferencePair, parse_pair
-from tasks.reward_model import (PROBE_FOLDS, EncodedPair, FrozenFeatures, RewardEnsemble,
-                                choose_depth, depth, encode_pairs, ensemble_metrics,
-                                fit_probe_head, heads, heldout_split, init_reward_model,
+from tasks.probe import PROBE_FOLDS, FrozenFeatures, choose_depth, fit_probe_head
+from tasks.reward_model import (EncodedPair, RewardEnsemble, depth, encode_pairs,
+                                ensemble_metrics, heads, heldout_split, init_reward_model,
                                 pair_margins, save_reward_model, save_stats, train_reward)
 
 
