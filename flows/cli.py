@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -12,6 +11,8 @@ from pathlib import Path
 from flows import import_pairs
 from flows import signals
 from flows import workspace as wsmod
+from flows.cli_views import (cmd_dag, cmd_lineage, cmd_params, cmd_report, cmd_status,
+                             existing_workspace, print_report)
 from flows.run import RunFailed, quiet_prefect
 from flows.targets import SETUP_STAGES, check, iteration_minutes, recorded_seconds
 from tasks import layout
@@ -33,7 +34,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_rerun(args: argparse.Namespace) -> int:
     from flows import dag
-    ws = _existing(args.workspace)
+    ws = existing_workspace(args.workspace)
     wsmod.validate(ws.root, None)
     names = [r.name for r in dag.ordered_stages(ws.root)]
     if args.stage not in names:
@@ -41,15 +42,6 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     force = [args.stage] + (dag.downstream(ws.root, args.stage) if args.downstream else [])
     print(f"rerun: {', '.join(force)}; every other stage as DVC decides")
     return _run_and_print(ws.root, None, force=force)
-
-
-def _existing(workspace: str) -> wsmod.Workspace:
-    root = Path(workspace).resolve()
-    if not (root / "dvc.yaml").is_file():
-        raise InputError(f"{root}: not an alignloop workspace (no dvc.yaml); run it first")
-    ws = wsmod.Workspace(root)
-    wsmod.apply_environment(ws)
-    return ws
 
 
 def _run_and_print(root: Path, params_file: Path | None, force: list[str]) -> int:
@@ -68,7 +60,7 @@ def _print_summary(root: Path, summaries: list[dict], seconds: float) -> None:
         if it.get("policy_version"):
             print(f"  iteration {it['iteration']}: policy v{it['policy_version']}, "
                   f"reward model v{it['reward_model_version']}, commit {it['git_commit'][:10]}")
-    _print_report(root)
+    print_report(root)
     _print_targets(root, [s["name"] for it in summaries for s in it["stages"]],
                    {s["name"] for it in summaries for s in it["stages"] if s["outcome"] == "ran"})
 
@@ -100,127 +92,9 @@ def _print_targets(root: Path, stages: list[str], ran: set[str]) -> None:
               f"{len([n for n in loop if n in ran])} of {len(loop)})")
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from flows import dag
-    root = _existing(args.workspace).root
-    states = dag.stage_states(root)
-    if args.json:
-        print(json.dumps([{"stage": s.name, "state": s.state, "reasons": s.reasons}
-                          for s in states], indent=2))
-    else:
-        for s in states:
-            why = f"  ({'; '.join(s.reasons)})" if s.reasons else ""
-            print(f"{s.state:<11} {s.name}{why}")
-    return 0 if all(s.state == "up-to-date" for s in states) else 1
-
-
-REPORT_COLUMNS = (("judge", "eval/win_rate"), ("lo", "eval/win_rate_ci_low"),
-                  ("gold", "eval/gold_win_rate"), ("lo", "eval/gold_win_rate_ci_low"),
-                  ("rm", "eval/rm_win_rate"), ("bon-gold", "eval/bon_gold_win_rate"),
-                  ("kl", "eval/kl"), ("topic", "eval/on_topic_rate"),
-                  ("ref-topic", "eval/ref_on_topic_rate"), ("review", "eval/review_rate"),
-                  ("ref-rev", "eval/ref_review_rate"), ("len", "eval/length_ratio"),
-                  ("nll", "eval/fluency_nll"), ("rm-acc", "rm/accuracy"),
-                  ("hack", "eval/hacking_flag"))
-
-
-def _report_page(ws: wsmod.Workspace) -> Path:
-    """The `report` stage's page, brought up to date as DVC decides (under the workspace lock,
-    like a run); a page built here is in dvc.lock, committed by the next `alignloop run`."""
-    from flows import dag
-    from tasks.report import HTML_NAME
-    if not (ws.root / layout.PARAMS_FILE).is_file():
-        raise InputError(f"{ws.root}: no params.yaml; run it first")
-    try:
-        logging.getLogger("dvc").setLevel(logging.WARNING)   # stdout is the path alone
-        with wsmod.workspace_lock(ws):
-            done = dag.reproduce(ws.root, "report")
-    except dag.StageFailed as e:
-        raise RunFailed(str(e), 1) from None
-    if done.outcome != "cached":
-        print(f"report: {done.outcome} ({done.seconds:.1f} s); dvc.lock names it, the next "
-              f"`alignloop run` commits it", file=sys.stderr)
-    return ws.root / layout.REPORT_DIR / HTML_NAME
-
-
-def _print_report(root: Path) -> None:
-    """Win rates (judge, gold, RM, Best-of-N by gold) with interval lows, and the monitors."""
-    report = collect_report(root)
-    rows = [(k, v) for k, v in report.items() if k != "0"]
-    if not rows:
-        return
-    print("iter  " + " ".join(f"{name:>9}" for name, _ in REPORT_COLUMNS))
-    for it, m in rows:
-        print(f"{it:>4}  " + " ".join(f"{m.get(k, float('nan')):>9.3f}"
-                                      for _, k in REPORT_COLUMNS))
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    root = Path(args.workspace).resolve()
-    if args.html:
-        print(_report_page(_existing(args.workspace)))
-    elif args.json:
-        print(json.dumps(collect_report(root), indent=2, sort_keys=True))
-    else:
-        _print_report(root)
-    return 0
-
-
-def cmd_lineage(args: argparse.Namespace) -> int:
-    from mlflow.tracking import MlflowClient
-
-    from flows import lineage, verify
-    root = _existing(args.workspace).root
-    client = MlflowClient()
-    tree = lineage.model_lineage(root, client, lineage.resolve(client, args.model))
-    if args.json:
-        print(json.dumps(tree, indent=2, default=str))
-    else:
-        _print_lineage(tree)
-    if not args.verify:
-        return 0
-    problems = []
-    node: object = tree
-    while isinstance(node, dict):          # this version and every parent policy
-        problems += verify.verify(root, lineage.iter_artifacts(node["produced_by"]),
-                                  node["git_commit"])
-        node = node.get("parent_policy")
-    for p in problems:
-        print(f"verify: FAILED {p}", file=sys.stderr)
-    n = len(lineage.iter_artifacts(tree))
-    print(f"verify: {'FAILED' if problems else 'ok'}: {n} artifacts re-hashed from the DVC "
-          f"cache and remote{', ' + str(len(problems)) + ' problems' if problems else ''}")
-    return 1 if problems else 0
-
-
-def _print_lineage(node: dict, indent: int = 0) -> None:
-    pad = "  " * indent
-    print(f"{pad}{node['model']} v{node['version']} {node['aliases'] or ''} "
-          f"md5 {node['model_md5']} commit {node['git_commit'][:10]} "
-          f"flow-run {node['prefect_flow_run_id']}")
-    if node.get("reward_model"):
-        rm = node["reward_model"]
-        print(f"{pad}  reward model v{rm['version']} ({rm['dvc_stage']}, md5 {rm['model_md5']})")
-
-    def stage(n: dict, depth: int) -> None:
-        p = "  " * depth
-        print(f"{p}<- {n['stage']}  params md5 {n['params_md5'][:10]}")
-        for i in n["inputs"]:
-            rows = f", {i['rows']} rows" if "rows" in i else ""
-            print(f"{p}   input {i['path']} md5 {i['md5']} ({i.get('size')} bytes{rows})")
-            if isinstance(i["produced_by"], dict) and "inputs" in i["produced_by"]:
-                stage(i["produced_by"], depth + 2)
-    stage(node["produced_by"], indent + 1)
-    if isinstance(node.get("parent_policy"), dict):
-        print(f"{pad}  parent policy:")
-        _print_lineage(node["parent_policy"], indent + 2)
-    else:
-        print(f"{pad}  parent policy: {node.get('parent_policy')} (the initial model)")
-
-
 def cmd_server(args: argparse.Namespace) -> int:
     from flows import server
-    ws = _existing(args.workspace)
+    ws = existing_workspace(args.workspace)
     if args.action == "start":
         info = server.start(ws, port=args.port)
         print(f"prefect server up: {info['ui_url']} (API {info['api_url']}, pid {info['pid']}); "
@@ -302,7 +176,7 @@ def _deploy_to_pool(ws: wsmod.Workspace, args: argparse.Namespace, when: str) ->
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    ws = _existing(args.workspace)
+    ws = existing_workspace(args.workspace)
     when = f"cron '{args.cron}'" if args.cron else f"every {args.interval:g} s"
     if args.work_pool:
         return _deploy_to_pool(ws, args, when)
@@ -316,7 +190,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_tick(args: argparse.Namespace) -> int:
-    ws = _existing(args.workspace)
+    ws = existing_workspace(args.workspace)
     if args.server:
         _api_url(ws)
     quiet_prefect()
@@ -331,7 +205,7 @@ def cmd_tick(args: argparse.Namespace) -> int:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     from flows import aliases
-    root = _existing(args.workspace).root
+    root = existing_workspace(args.workspace).root
     e = aliases.deploy(root, args.version, args.reason)
     print(f"production: v{e['from']} -> v{e['to']} ({e['who']}, {e['time']}: {e['why']})")
     return 0
@@ -339,7 +213,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     from flows import aliases
-    root = _existing(args.workspace).root
+    root = existing_workspace(args.workspace).root
     e = aliases.rollback(root, args.reason)
     print(f"production rolled back: v{e['from']} -> v{e['to']} ({e['who']}, {e['time']})")
     return 0
@@ -365,31 +239,6 @@ def _version() -> str:
         return version("alignloop")
     except PackageNotFoundError:
         return "(not installed)"
-
-
-def cmd_dag(args: argparse.Namespace) -> int:
-    from flows import dag
-    root = _existing(args.workspace).root
-    if args.mermaid or args.dot:
-        import subprocess
-        out = subprocess.run([sys.executable, "-m", "dvc", "dag", "--mermaid" if args.mermaid
-                              else "--dot"], cwd=root, capture_output=True, text=True)
-        print(out.stdout, end="")
-        return out.returncode
-    for line in dag.outline(root):
-        print(line)
-    return 0
-
-
-def cmd_params(args: argparse.Namespace) -> int:
-    from flows import params_doc
-    from tasks.params import load_params
-    params = load_params(Path(args.params)) if args.params else None
-    lines = params_doc.render(params, args.key or "")
-    if not lines:
-        raise InputError(f"{args.key}: no such params key (alignloop params lists them all)")
-    print("\n".join(lines))
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
