@@ -78,10 +78,16 @@ def test_import_then_run_trains_the_policy_on_the_imported_pairs(tiny_run, tmp_p
     assert cold["update/n_offpolicy_pairs"] == 0              # a cold start mixes nothing in
     assert m["update/n_offpolicy_pairs"] == min(N_PAIRS, m["update/n_onpolicy_pairs"]) > 0
 
-    def pool_dep(root: Path) -> str:
-        lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]["update@1"]
-        return next(d["md5"] for d in lock["deps"] if d["path"] == layout.pairs_pool(0))
-    assert pool_dep(ws) != pool_dep(tiny_run["ws"])
+    def pool_dep(root: Path) -> str | None:
+        lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+        return next((d["md5"] for d in lock["update@1"]["deps"]
+                     if d["path"] == layout.pairs_pool(0)), None)
+    # the update read the imported pool; the cold start's (offpolicy_mix 0) read none, so it
+    # does not depend on one (tasks/conditions.py)
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
+    imported = next(o["md5"] for o in lock["collect_offpolicy"]["outs"]
+                    if o["path"] == layout.pairs_pool(0))
+    assert pool_dep(ws) == imported and pool_dep(tiny_run["ws"]) is None
 
 
 def test_import_is_a_valid_first_command_and_run_keeps_its_pairs(tmp_path, inputs, capsys):
