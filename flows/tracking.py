@@ -191,6 +191,8 @@ def log_final_stages(root: Path, parent: str, iteration: int, runs: Sequence[Sta
     """The final stages (the report) as stage runs nested under the last iteration's run,
     each once per lock entry: a stage run of these very bytes already logged (say by a run
     killed after it) is not logged again. Returns the names logged now."""
+    if not runs:
+        return []
     client = MlflowClient()
     exp_id = mlflow.set_experiment(EXPERIMENT).experiment_id
     remote, logged = remote_url(root), []

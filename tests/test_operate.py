@@ -61,6 +61,8 @@ def test_rm_param_reruns_rm_training_and_what_follows_only(ws):
     upstream = {"prompts", "prepare_model", "collect_offpolicy", "reference_samples",
                 "rollout@1", "judge@1"}
     assert not upstream & set(ran)
+    # DPO on the judge's pairs never reads the RM: the updates stay (tasks/conditions.py)
+    assert "evaluate@1" in ran and not [s for s in ran if s.startswith("update@")]
 
 
 def test_deleted_output_is_restored_from_the_cache_without_recomputing(ws):
