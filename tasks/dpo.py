@@ -152,11 +152,13 @@ def rm_best_vs_worst(rm: RewardModel, rollouts: Sequence[Rollout], pad_id: int,
     for idx in groups.values():
         best = max(idx, key=lambda i: float(mean[i]))                     # argmax_k r(x, y_k)
         worst = min(idx, key=lambda i: float(mean[i]))                    # argmin_k r(x, y_k)
-        if float(mean[best]) == float(mean[worst]):                       # one sample, or a tie
-            continue
         room = max(max_length - len(rollouts[best].prompt_ids), 1)
-        pairs.append(EncodedPair(rollouts[best].prompt_ids, rollouts[best].response_ids[:room],
-                                 rollouts[worst].response_ids[:room]))
+        chosen, rejected = rollouts[best].response_ids[:room], rollouts[worst].response_ids[:room]
+        # one sample, a tie, or one response twice: its two scores may part in the last bits
+        # (rows of one batch round differently on some CPUs), which is no preference
+        if float(mean[best]) == float(mean[worst]) or chosen == rejected:
+            continue
+        pairs.append(EncodedPair(rollouts[best].prompt_ids, chosen, rejected))
         gaps.append(float(mean[best] - mean[worst]))
         spreads.append(float(std[best] + std[worst]) / 2)
     return pairs, {"update/rm_pairs": float(len(pairs)),

@@ -143,7 +143,8 @@ def test_vs_trl_losses_equal_trls_on_a_tiny_model(tmp_path) -> None:
         assert r["ours"]["losses"][0] != r["ours"]["losses"][1]       # the first step trained
         assert r["ours"]["pairs_per_s"] > 0 and r["trl"]["pairs_per_s"] > 0
         # both sides in bf16 autocast (TRL's weights stay fp32: checked in trl_dpo/trl_rm):
-        # the same steps, close to each other, and not the fp32 arithmetic
+        # the same steps, close to each other, and not the fp32 arithmetic (bf16 keeps 8
+        # significant bits of each matmul input: the losses move by ~1e-3, not by rounding)
         b = out[f"{kind}_bf16"]
         assert b["settings"]["precision"] == "bf16" and b["same_steps"]
         assert b["loss_max_abs_diff"] < 1e-2, (kind, b["ours"]["losses"], b["trl"]["losses"])
@@ -248,4 +249,10 @@ def test_rm_depth_reports_every_depth_and_picks_as_train_rm_would(tiny_run) -> N
     rp = replace(p.train_rm, num_layers_grid=(1, 2))
     _, chosen = choose_depth(init_reward_model(ws / layout.policy(0), torch.Generator()),
                              enc, rp, tok.pad_token_id)
-    assert out["cv_pick"] == int(chosen["num_layers"])
+    # the bench computes the features in other batches (train and held-out pairs together) in
+    # another process and picks on losses rounded to 4 decimals: the same depth, unless the
+    # two depths' losses tie to within that
+    ours = int(chosen["num_layers"])
+    loss = {int(d): r["cv_loss"] for d, r in out["depths"].items()}
+    assert abs(loss[ours] - chosen["depth_cv_loss"]) <= 1e-4, (loss, chosen)
+    assert out["cv_pick"] == ours or abs(loss[out["cv_pick"]] - loss[ours]) <= 1e-4, loss

@@ -123,7 +123,15 @@ def test_dpo_update_on_two_processes_matches_one(base: Path, tmp_path: Path,
     assert_same_run(one, two, layout.policy(1))
     m1, m2 = (json.loads((r / layout.metrics(1, "update")).read_text()) for r in (one[0], two[0]))
     assert m1.keys() == m2.keys()
-    assert m2 == pytest.approx(m1, abs=1e-4)
+    # reward accuracies count margins > 0. At the first step pi = ref and every margin is
+    # rounding noise (the reference scores the pairs in other batches than the policy, and
+    # each rank in others again: CPU-dependent bits), so that step's accuracy may differ by
+    # up to 1, the mean over the steps by 1 / steps; later margins are far from 0
+    signs = {"update/reward_accuracy_mean": 1 / m1["update/steps"]}
+    rest = lambda m: {k: v for k, v in m.items() if k not in signs}  # noqa: E731
+    assert rest(m2) == pytest.approx(rest(m1), abs=1e-4)
+    for k, tol in signs.items():
+        assert abs(m2[k] - m1[k]) <= tol + 1e-4, (k, m1[k], m2[k])
 
 
 def test_rm_fine_tuning_on_two_processes_matches_one(base: Path, tmp_path: Path,

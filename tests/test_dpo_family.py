@@ -193,7 +193,8 @@ def test_reference_previous_is_last_iterations_policy(ws: Path) -> None:
     meta = model_meta(ws, layout.policy(2))
     assert (meta["parent"], meta["reference"]) == (layout.policy(1), layout.policy(1))
     assert layers_changed(weights(ws, layout.policy(1)), weights(ws, layout.policy(2)))
-    # the policy starts AT the previous policy, so the first batch's margin is exactly zero
+    # the policy starts AT the previous policy, so the first batch's margin is zero (up to
+    # rounding: the reference's log-probs come from other batches)
     assert metrics(ws, 2, "update")["update/loss_first"] == pytest.approx(math.log(2), abs=1e-4)
     set_params(ws / layout.PARAMS_FILE, update__reference="initial")
     run_stage(update.main, ws, 2)
@@ -329,7 +330,8 @@ def test_audited_labels_override_the_judge_in_the_next_training(ens: Path, tmp_p
 def test_precision_auto_trains_in_what_this_cpu_runs_natively(ws: Path, tmp_path: Path) -> None:
     """`precision: auto` (the default profiles') is bf16 only where the CPU has native bf16
     matmuls, else fp32: update@1 and train_rm@2 under auto write the same bytes as under the
-    precision it resolves to here, and say which one ran."""
+    precision it resolves to here, and say which one ran. Bytes hold on every CPU: both runs
+    are in this process, on the same inputs, shapes, threads and so the same kernels."""
     here = lm.effective_precision("auto")
     assert here == ("bf16" if lm.native_bf16() else "fp32")
     explicit = tmp_path / "explicit"
@@ -347,3 +349,18 @@ def test_precision_auto_trains_in_what_this_cpu_runs_natively(ws: Path, tmp_path
     assert metrics(ws, 1, "update")["update/bf16"] == float(here == "bf16")
     assert metrics(ws, 2, "train_rm")["rm/bf16"] == float(here == "bf16")
     assert reward_model.load_stats(ws / layout.reward_model(2))["precision"] == here
+
+
+def test_rm_pairs_skip_a_response_sampled_twice_whatever_its_scores_last_bits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """All K samples of a prompt the same response: no pair, even when the RM scored its two
+    copies a rounding apart (rows of one batch can round differently on some CPUs)."""
+    import tasks.dpo as dpo
+    from tasks.records import Rollout
+    same = [Rollout("p0", (), (1, 2), (5, 6), (-0.1, -0.2), True, "x", "v0", 1)] * 2
+    other = [Rollout("p1", (), (1, 3), (r,), (-0.1,), True, "y", "v0", 1) for r in (7, 8)]
+    scores = torch.tensor([0.25, 0.25 + 3e-8, 0.1, 0.9])            # the copies part by 3e-8
+    monkeypatch.setattr(dpo, "reward_mean_std", lambda *a, **k: (scores, torch.zeros(4)))
+    pairs, metrics = dpo.rm_best_vs_worst(object(), same + other, pad_id=0, max_length=16)
+    assert [(e.prompt_ids, e.chosen_ids, e.rejected_ids) for e in pairs] == [((1, 3), (8,), (7,))]
+    assert metrics["update/rm_pairs"] == 1.0

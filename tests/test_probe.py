@@ -28,6 +28,14 @@ def _word_pairs(n_prompts: int, per_prompt: int, g: torch.Generator) -> list:
     return out
 
 
+def near_zero_share(margins: Tensor, eps: float = 1e-4) -> float:
+    """The share of pairs whose ensemble-mean margin or any member's margin (K, N) lies within
+    eps of 0: by that much, and no more, a rate of signs (accuracy, disagreement) may move when
+    the margins are computed in other batches or kernels (float32 rounding, CPU-dependent)."""
+    near = (margins.abs() < eps).any(0) | (margins.mean(0).abs() < eps)
+    return float(near.float().mean())
+
+
 def test_mean_pooling_and_the_probe_head_learn_a_word_preference(tmp_path: Path) -> None:
     """pooling: mean reads the average of the response's states; head_init: probe fits the head
     on frozen features so that held-out pairs with the same preference (token 7 good, token 9
@@ -93,13 +101,20 @@ def test_frozen_features_give_the_same_probe_and_metrics_as_rescoring(
         return real(model, prompts, responses, *a, **k)
     monkeypatch.setattr(probe, "features", counting)
     fit_probe_head(cached, train, p, pad_id=0, cache=cache)
+    # bits: both fits compute the same keys' features in the same batches (FrozenFeatures.get),
+    # in one process on the same threads, then the same closed form: the same ops and shapes
     assert torch.equal(cached.score.weight, plain.score.weight)
     for members in ([plain], [plain, init_reward_model(tmp_path, torch.Generator().manual_seed(1))]):
         ens = RewardEnsemble(members, "fp32", "mean")
         with_cache, stats_c = ensemble_metrics(ens, train, held, 0, cache)
         again, stats_a = ensemble_metrics(ens, train, held, 0)
-        for k in ("rm/accuracy", "rm/train_accuracy", "rm/ensemble_disagreement"):
-            assert with_cache[k] == again[k], k
+        # rescoring batches the pairs otherwise: margins agree to rounding, so these rates of
+        # signs agree exactly unless a margin lies within rounding of 0
+        held_near = near_zero_share(pair_margins(ens, held, 0))
+        near = {"rm/accuracy": held_near, "rm/ensemble_disagreement": held_near,
+                "rm/train_accuracy": near_zero_share(pair_margins(ens, train, 0))}
+        for k, share in near.items():
+            assert abs(with_cache[k] - again[k]) <= share + 1e-9, (k, share)
         assert with_cache["rm/ensemble_margin_std"] == pytest.approx(
             again["rm/ensemble_margin_std"], abs=1e-5)
         assert (stats_c["mean"], stats_c["std"]) == pytest.approx(
@@ -180,6 +195,8 @@ def test_probe_head_reports_the_chosen_l2_and_falls_back_below_five_prompts(tmp_
     direct = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
     fixed = TrainRMParams(pooling="mean", head_init="probe", epochs=0, probe_l2=m["probe_l2"])
     fit_probe_head(direct, pool, fixed, pad_id=0)
+    # bits: the same features (same batches, one process, same threads) and the same fit at
+    # the same L2; cross-validation only chose that L2
     assert torch.equal(model.score.weight, direct.score.weight)
     few = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
     m_few = fit_probe_head(few, pool[:6 * 4], grid, pad_id=0)         # 4 prompts < 5 folds
@@ -208,8 +225,10 @@ def test_features_at_every_depth_equal_a_truncated_models(tmp_path: Path, poolin
 def test_the_probes_depth_is_chosen_by_cross_validation_and_kept(tmp_path: Path) -> None:
     """choose_depth picks the depth whose probe (at its best L2) has the lowest left-out
     log-loss over the training prompts, computed independently here on models cut to each
-    depth; it cuts the model to it, and the probe fitted through its cache is bit for bit the
-    probe fitted on a fresh model of that depth. A grid deeper than the backbone is one line."""
+    depth; it cuts the model to it, and the probe fitted through its cache is the probe fitted
+    on a fresh model of that depth. Here the features are computed in other batches (cut
+    models, chosen and rejected apart), so the losses and weights agree to float32 rounding,
+    not bit for bit. A grid deeper than the backbone is one line."""
     from tasks.params import TinyModelParams, TrainRMParams
     from tasks.probe import PROBE_FOLDS, FrozenFeatures, choose_depth, fit_probe_head, probe_cv
     from tasks.reward_model import depth, init_reward_model
@@ -227,11 +246,13 @@ def test_the_probes_depth_is_chosen_by_cross_validation_and_kept(tmp_path: Path)
                                    PROBE_FOLDS)[0].values())
     model = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
     cache, m = choose_depth(model, train, p, 0)
-    best = min(expected, key=lambda d: (expected[d], d))
-    assert m["num_layers"] == best and depth(model) == best and cache.model is model
-    assert m["depth_cv_loss"] == pytest.approx(expected[best], abs=1e-6)
+    best, picked = min(expected, key=lambda d: (expected[d], d)), int(m["num_layers"])
+    # the same depth, unless two depths' losses tie to within rounding
+    assert picked == best or abs(expected[picked] - expected[best]) < 1e-5, expected
+    assert depth(model) == picked and cache.model is model
+    assert m["depth_cv_loss"] == pytest.approx(expected[picked], abs=1e-5)
     fit_probe_head(model, train, p, 0, cache=cache)
-    fresh = init_reward_model(tmp_path, torch.Generator().manual_seed(0), best)
+    fresh = init_reward_model(tmp_path, torch.Generator().manual_seed(0), picked)
     fit_probe_head(fresh, train, p, 0)
     assert torch.allclose(model.score.weight, fresh.score.weight, atol=1e-6)
     with pytest.raises(DataError, match=r"num_layers_grid: 5 blocks asked for, the backbone "

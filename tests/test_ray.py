@@ -58,6 +58,8 @@ def test_two_ray_workers_sample_byte_identical_to_one_process(ray_address: str,
     assert [(len(s.prompts), s.threads) for s in sampling.plan(
         [[i] for i in range(5) for _ in range(4)], batch_size=16, max_new_tokens=1,
         generator=torch.Generator(), threads=2)] == [(8, 1), (8, 1), (4, 2)]
+    # bits: each worker samples the plan's shards (same rows, uniforms, shapes and threads as
+    # one process) on the same machine's kernels, so the same bits on every CPU
     assert as_bytes(draw(policy, 2)) == as_bytes(alone)
     assert as_bytes(draw(policy, 0, seed=4)) != as_bytes(alone)    # the check can fail
 
@@ -77,6 +79,7 @@ def test_judging_on_two_workers_equals_one_process(ray_address: str, tmp_path: P
     judge = make_judge(jp, tmp_path)
     alone = judge_all(judge, groups, "iter_1", JudgeParams(pool_pairs="all"), tmp_path)
     spread = judge_all(judge, groups, "iter_1", jp, tmp_path)
+    # the lexicon judge: plain Python, no torch kernels
     assert spread == alone and alone[0] and alone[1]
 
 
@@ -91,6 +94,9 @@ def test_distributed_profile_through_the_cli_writes_the_tiny_run_bytes(
     ws, tiny = tmp_path / "ws", Path(str(tiny_run["ws"]))
     run_cli("run", "--params", str(ROOT / "params" / "tiny-distributed.yaml"),
             "--workspace", str(ws), env={"RAY_ADDRESS": ray_address})
+    # bytes: these are sampled by the initial policy on the plan's shards and threads (both
+    # runs: ALIGNLOOP_THREADS=2, this machine) and judged by the lexicon (plain Python); the
+    # updates' weights are not (2 processes sum in another order): their losses to 1e-5
     for rel in ("data/reference/heldout_samples.jsonl", layout.pairs_pool(0),
                 layout.rollouts(1), layout.pairs(1), layout.pairs_pool(1)):
         assert (ws / rel).read_bytes() == (tiny / rel).read_bytes(), rel
