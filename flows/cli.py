@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from flows import import_pairs
-from flows import signals
+from flows import cli_workspace, import_pairs
+from flows import shipped, signals
 from flows import workspace as wsmod
 from flows.cli_views import (cmd_dag, cmd_lineage, cmd_params, cmd_report, cmd_status,
                              existing_workspace, print_report)
@@ -20,15 +20,18 @@ from tasks.errors import InputError
 from tasks.report import collect_report
 
 DEFAULT_WORKSPACE = "workspace"
-DEFAULT_PARAMS = wsmod.PROJECT_ROOT / "params" / "default.yaml"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     params = Path(args.params).resolve() if args.params else None
+    if args.profile:
+        params = shipped.profile(args.profile)
     root = Path(args.workspace).resolve()
     if params is None and not (root / layout.PARAMS_FILE).is_file():
-        params = DEFAULT_PARAMS
+        params = shipped.default_profile()
     wsmod.validate(root, params)               # fails before the workspace is touched
+    if params is None and (notice := cli_workspace.upgrade_notice(root)):
+        print(notice)                          # the workspace keeps its own pipeline
     return _run_and_print(root, params, force=[])
 
 
@@ -170,7 +173,7 @@ def _deploy_to_pool(ws: wsmod.Workspace, args: argparse.Namespace, when: str) ->
                          f"{str(e).strip().splitlines()[0]}") from None
     print(f"deployed alignloop-tick/{deployment_name(ws)} to work pool {args.work_pool} "
           f"({kind}) on {when} against {url} (overlapping ticks: {args.overlap})")
-    print(f"start a worker where {ws.root} and {wsmod.PROJECT_ROOT} exist at these paths:\n"
+    print(f"start a worker where {ws.root} and {shipped.code_root()} exist at these paths:\n"
           f"  PREFECT_API_URL={url} prefect worker start --pool {args.work_pool}")
     return 0
 
@@ -233,18 +236,10 @@ EXAMPLES = """examples:
 """
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("alignloop")
-    except PackageNotFoundError:
-        return "(not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="alignloop", description=__doc__, epilog=EXAMPLES,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--version", action="version", version=f"alignloop {_version()}")
+    ap.add_argument("--version", action="version", version=f"alignloop {shipped.version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     dg = sub.add_parser("dag", help="the declared DAG, one line per iteration (or --mermaid, "
                                     "--dot for a picture)")
@@ -259,8 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--params", help="a profile whose values to show (its base merged)")
     pa.set_defaults(func=cmd_params)
     run = sub.add_parser("run", help="run the loop (creates the workspace if needed)")
-    run.add_argument("--params", help="params profile (default: the workspace's params.yaml, "
-                                      "or params/default.yaml for a new workspace)")
+    which = run.add_mutually_exclusive_group()
+    which.add_argument("--params", help="a params file (default: the workspace's params.yaml, "
+                                        "or the `default` profile for a new workspace)")
+    which.add_argument("--profile", help="a shipped profile by name (`alignloop profiles`)")
     run.add_argument("--workspace", default=DEFAULT_WORKSPACE, help="workspace directory")
     run.set_defaults(func=cmd_run)
     for name, func, text in (("status", cmd_status, "state of every stage instance, from DVC"),
@@ -330,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--workspace", default=DEFAULT_WORKSPACE)
     tk.set_defaults(func=cmd_tick)
     import_pairs.add_parser(sub, DEFAULT_WORKSPACE)
+    cli_workspace.add_parsers(sub, DEFAULT_WORKSPACE)
     return ap
 
 

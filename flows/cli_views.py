@@ -27,7 +27,11 @@ def existing_workspace(workspace: str) -> wsmod.Workspace:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from flows import dag
+    from flows.cli_workspace import upgrade_notice
     root = existing_workspace(args.workspace).root
+    notice = upgrade_notice(root)
+    if notice:
+        print(notice, file=sys.stderr if args.json else sys.stdout)
     states = dag.stage_states(root)
     if args.json:
         print(json.dumps([{"stage": s.name, "state": s.state, "reasons": s.reasons}

@@ -16,7 +16,7 @@ import signal
 import time
 from pathlib import Path
 
-from flows import signals
+from flows import shipped, signals
 from flows import workspace as wsmod
 from tasks.errors import InputError
 
@@ -52,7 +52,7 @@ def run_loop(root: Path, params_file: Path | None,
         except BaseException as e:
             # a new workspace has nothing to go back to; the project's own repository (a
             # developer's `--workspace .`) is never reset
-            restorable = checkpoint.head is not None and root != wsmod.PROJECT_ROOT
+            restorable = checkpoint.head is not None and not shipped.is_source_tree(root)
             if restorable:
                 fixed = recovery.restore(root, checkpoint)
                 _log(logs["log"], ["restored after the failure:", *fixed])

@@ -28,12 +28,13 @@ from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.states import Completed, State
 
-from flows.workspace import PROJECT_ROOT, Busy, Workspace, apply_environment, git, workspace_lock
+from flows import shipped
+from flows.workspace import Busy, Workspace, apply_environment, git, workspace_lock
 from tasks import layout
 from tasks.params import iteration_numbers, parse_params
 
 Overlap = Literal["wait", "skip"]
-ENTRYPOINT = "flows/schedule.py:tick"   # relative to PROJECT_ROOT, where a worker loads it
+ENTRYPOINT = "flows/schedule.py:tick"   # relative to shipped.code_root(), where a worker loads it
 TICKS = "ticks.jsonl"          # in .alignloop/: when each tick started and ended, and why
 # what Prefect does with a fire while the deployment's one slot is taken
 COLLISION = {"skip": ConcurrencyLimitStrategy.CANCEL_NEW, "wait": ConcurrencyLimitStrategy.ENQUEUE}
@@ -189,7 +190,7 @@ def deploy_to_pool(ws: Workspace, pool: str, cron: str | None, overlap: Overlap,
     if (cron is None) == (interval is None):
         raise ValueError("deploy_to_pool: give exactly one of cron and interval")
     kind = ensure_pool(pool)
-    loaded = tick.from_source(source=str(PROJECT_ROOT), entrypoint=ENTRYPOINT)
+    loaded = tick.from_source(source=str(shipped.code_root()), entrypoint=ENTRYPOINT)
     deployment = loaded.to_deployment(   # .deploy() would do the same, with a console table
         name=deployment_name(ws), work_pool_name=pool, cron=cron, interval=interval,
         parameters={"workspace": str(ws.root), "overlap": overlap},

@@ -22,12 +22,12 @@ from typing import Any
 
 import yaml
 
+from flows import shipped
 from tasks import atomic, layout
 from tasks.errors import InputError
 from tasks.params import SAFE_LOADER, Params, load_params, to_dict
 from tasks.profiles import Profile, read_profile
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = ".alignloop"             # Prefect home, MLflow store, DVC remote, server pid/logs
 GITIGNORE = f"/{STATE_DIR}/\n__pycache__/\n"
 # MLflow writes this note into a model directory loaded through a models:/ URI; it is not an
@@ -152,52 +152,67 @@ def _sync_file(src: Path, dst: Path, data: bytes | None = None) -> bool:
     return True
 
 
-DATA_DIRS = ("prompts", "gold", "judges")   # params/<dir>/*: versioned data the stages read
-
-
 def sync_declaration(root: Path, params_file: Path) -> list[str]:
-    """Copy dvc.yaml, tasks/**/*.py (the libraries and tasks/stages/), the versioned data under
-    params/ (DATA_DIRS) and the profile into the workspace."""
-    if root.resolve() == PROJECT_ROOT:
+    """Copy the installed pipeline into the workspace: dvc.yaml (rendered for its params), the
+    stage sources (tasks/**/*.py), the versioned data under params/ and the profile as
+    params.yaml; files already there with the same bytes are left alone."""
+    if shipped.is_source_tree(root):
         return []
     changed = []
     if _sync_file(params_file, root / layout.PARAMS_FILE, profile_text(params_file).encode()):
         changed.append(layout.PARAMS_FILE)
-    if _sync_file(PROJECT_ROOT / "dvc.yaml", root / "dvc.yaml", _rendered(root, PROJECT_ROOT)):
+    return changed + sync_pipeline(root)
+
+
+def sync_pipeline(root: Path) -> list[str]:
+    """dvc.yaml (rendered for the workspace's params.yaml), the stage sources and the shipped
+    data, from this installation into the workspace: what changed, relative to root."""
+    changed = []
+    if _sync_file(shipped.dvc_yaml(), root / "dvc.yaml", _rendered(root, shipped.dvc_yaml())):
         changed.append("dvc.yaml")
-    sources = _sources(PROJECT_ROOT)
-    pairs = [(PROJECT_ROOT / rel, root / rel) for rel in sorted(sources)]
-    for name in DATA_DIRS:
-        pairs += [(f, root / "params" / name / f.name)
-                  for f in sorted((PROJECT_ROOT / "params" / name).iterdir()) if f.is_file()]
-    for src, dst in pairs:
-        if _sync_file(src, dst):
-            changed.append(str(dst.relative_to(root)))
-    for rel in sorted(_sources(root) - sources):
+    sources = shipped.sources()
+    pairs = [(shipped.tasks_dir().parent / rel, rel) for rel in sorted(sources)]
+    for src, rel in pairs + shipped.data_files():
+        if _sync_file(src, root / rel):
+            changed.append(rel)
+    for rel in sorted(shipped.sources_in(root) - sources):
         (root / rel).unlink()
         changed.append(f"{rel} (removed)")
     return changed
 
 
-def _rendered(root: Path, template_root: Path) -> bytes:
-    """The pipeline declaration for the workspace's params: dvc.yaml (from `template_root`)
+def pipeline_changes(root: Path) -> list[str]:
+    """The workspace's pipeline files that differ from this installation's (what
+    `sync_pipeline` would write), without writing anything."""
+    if shipped.is_source_tree(root) or not (root / layout.PARAMS_FILE).is_file():
+        return []
+    out = []
+    if not _same(root / "dvc.yaml", _rendered(root, shipped.dvc_yaml())):
+        out.append("dvc.yaml")
+    sources = shipped.sources()
+    pairs = [(shipped.tasks_dir().parent / rel, rel) for rel in sorted(sources)]
+    out += [rel for src, rel in pairs + shipped.data_files()
+            if not _same(root / rel, src.read_bytes())]
+    out += [f"{rel} (removed)" for rel in sorted(shipped.sources_in(root) - sources)]
+    return out
+
+
+def _same(path: Path, data: bytes) -> bool:
+    return path.is_file() and path.read_bytes() == data
+
+
+def _rendered(root: Path, template: Path) -> bytes:
+    """The pipeline declaration for the workspace's params: dvc.yaml (the `template` file)
     with each `# if:` dep kept or commented out (tasks/conditions.py)."""
     from tasks import conditions
-    template = (template_root / "dvc.yaml").read_text()
+    template = template.read_text()
     return conditions.render(template, load_params(root / layout.PARAMS_FILE)).encode()
 
 
 def render_declaration(root: Path) -> bool:
     """Render the workspace's own dvc.yaml again for its params.yaml (a run that keeps the
     workspace's declaration: params edited there by hand); True if it changed."""
-    return _sync_file(root / "dvc.yaml", root / "dvc.yaml", _rendered(root, root))
-
-
-def _sources(root: Path) -> set[str]:
-    """The Python sources under root/tasks, as paths relative to root (tasks/x.py,
-    tasks/stages/y.py)."""
-    return {f.relative_to(root).as_posix() for f in (root / "tasks").rglob("*.py")
-            if "__pycache__" not in f.parts}
+    return _sync_file(root / "dvc.yaml", root / "dvc.yaml", _rendered(root, root / "dvc.yaml"))
 
 
 def init(root: Path) -> bool:
@@ -269,7 +284,7 @@ def validate(root: Path, params_file: Path | None) -> Params:
 def stated_keys() -> list[str]:
     """Every params key dvc.yaml names, as stage params or in `${...}`: DVC fails a stage whose
     key is missing from params.yaml (`Parameters ... are missing`), defaults or not."""
-    text = (PROJECT_ROOT / "dvc.yaml").read_text()
+    text = shipped.dvc_yaml().read_text()
     keys = [k for stage in yaml.load(text, Loader=SAFE_LOADER)["stages"].values()
             for k in stage.get("do", stage).get("params", []) if isinstance(k, str)]
     keys += [k for k in re.findall(r"\$\{\s*([^}\s]+)\s*\}", text)
@@ -311,7 +326,7 @@ def prepare(root: Path, params_file: Path | None) -> tuple[Workspace, list[str]]
         changed = sync_declaration(root, params_file)
     else:
         changed = ["dvc.yaml"] if (root / "dvc.yaml").is_file() and \
-            root != PROJECT_ROOT and render_declaration(root) else []
+            not shipped.is_source_tree(root) and render_declaration(root) else []
     return Workspace(root), changed
 
 
@@ -324,16 +339,29 @@ def _check_model_path(p: Params, base: Path) -> None:
 _MODEL_PATH = re.compile(r"^(?P<indent>\s+)path:(?P<value>[^#\n]*?)(?P<rest>\s*(#.*)?)$")
 
 
-def merged_text(profile: Profile, data: Any, filled: Sequence[str] = ()) -> str:
-    """The workspace's params.yaml written from a profile: `data` (its merged data, paths
-    resolved, the `filled` keys added with their defaults) as YAML, under a header naming the
-    files and the filled keys (a workspace holds one complete params file: DVC reads it)."""
-    head = "".join(f"#   {f}\n" for f in reversed(profile.files))
+def header(profile: Profile, filled: Sequence[str] = ()) -> str:
+    """The comment lines a workspace's params.yaml starts with: the alignloop that wrote it,
+    the profile files merged (a shipped profile by name: nothing points into the
+    installation) and the keys written with their defaults."""
+    names = "".join(f"#   {_whence(Path(f))}\n" for f in reversed(profile.files))
     fill = (f"# written with their defaults (a stage reads them): {', '.join(filled)}\n"
             if filled else "")
-    return (f"# written by alignloop from (each over the next):\n{head}{fill}"
-            "# edit the profiles and run with --params, or edit this file for this workspace\n"
-            + yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+    return (f"# written by alignloop {shipped.version()} from (each over the next):\n{names}"
+            f"{fill}# edit this file for this workspace (`alignloop run --params FILE` replaces it)\n")
+
+
+def _whence(path: Path) -> str:
+    resolved = path.resolve()
+    if resolved.parent == shipped.params_dir().resolve():
+        return f"profile {resolved.stem} (shipped with alignloop)"
+    return str(path)
+
+
+def merged_text(profile: Profile, data: Any, filled: Sequence[str] = ()) -> str:
+    """The workspace's params.yaml written from a profile: `data` (its merged data, paths
+    resolved, the `filled` keys added with their defaults) as YAML, under the header (a
+    workspace holds one complete params file: DVC reads it)."""
+    return header(profile, filled) + yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 
 
 def profile_text(path: Path) -> str:
@@ -372,4 +400,4 @@ def profile_text(path: Path) -> str:
                 end = "\n" if line.endswith("\n") else ""
                 lines[i] = f"{m['indent']}path: {json.dumps(str(absolute))}{m['rest']}{end}"
             break
-    return "".join(lines)
+    return header(profile) + "".join(lines)

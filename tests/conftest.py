@@ -108,10 +108,10 @@ def tiny_stage_workspace(root: Path) -> Path:
     tiny profile as params.yaml and an empty import directory."""
     import shutil
 
-    from flows.workspace import DATA_DIRS
+    from flows.shipped import PARAMS_DATA
     from tasks import layout
     (root / "params").mkdir(parents=True)
-    for name in DATA_DIRS:
+    for name in PARAMS_DATA:
         shutil.copytree(ROOT / "params" / name, root / "params" / name)
     shutil.copy(TINY, root / layout.PARAMS_FILE)
     (root / layout.IMPORT_DIR).mkdir(parents=True)

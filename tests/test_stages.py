@@ -18,13 +18,15 @@ from safetensors.torch import load_file
 
 from conftest import set_params as set_workspace_params
 
-from flows.workspace import DATA_DIRS
+from flows.shipped import PARAMS_DATA
 from tasks import jsonl, layout, lm, reward_model, stage
 from tasks.judges import LexiconJudge
 from tasks.params import load_params
 from tasks.records import PreferencePair, parse_pair, parse_rollout
 from tasks.stages import (collect_offpolicy, evaluate, judge, prepare_model, prompts,
                           reference_samples, rollout, train_rm, update)
+
+from test_probe import near_zero_share
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "params" / "tiny.yaml"
@@ -61,7 +63,7 @@ def run(main: Callable[[list[str] | None], None], root: Path, it: int = 0) -> No
 
 def new_workspace(root: Path, params_text: str | None = None) -> Path:
     (root / "params").mkdir(parents=True)
-    for name in DATA_DIRS:                          # the versioned data the stages read
+    for name in PARAMS_DATA:                          # the versioned data the stages read
         shutil.copytree(REPO / "params" / name, root / "params" / name)
     (root / layout.PARAMS_FILE).write_text(params_text or TINY.read_text())
     (root / layout.IMPORT_DIR).mkdir(parents=True)
@@ -315,8 +317,11 @@ def test_train_rm_chooses_the_probes_depth_and_saves_that_model(ws: Workspace,
     _, held = reward_model.heldout_split(pool, p.train_rm.heldout_fraction)
     tok = lm.load_tokenizer(again.path(layout.policy(0)))
     enc = reward_model.encode_pairs(tok, held, p.model.max_prompt_tokens, p.train_rm.max_length)
-    margins = reward_model.pair_margins(saved, enc, tok.pad_token_id)
-    assert float((margins > 0).float().mean()) == pytest.approx(m["rm/accuracy"], abs=1e-6)
+    margins = reward_model.pair_margins(saved, enc, tok.pad_token_id)              # (1, N)
+    # the stage scored them through its feature cache (other batches): the same signs unless a
+    # margin lies within rounding of 0
+    assert abs(float((margins.mean(0) > 0).float().mean()) - m["rm/accuracy"]) <= \
+        near_zero_share(margins) + 1e-9
 
 
 def test_train_rm_is_reproducible_whatever_the_global_rng(ws: Workspace, tmp_path: Path) -> None:
@@ -325,6 +330,8 @@ def test_train_rm_is_reproducible_whatever_the_global_rng(ws: Workspace, tmp_pat
     torch.manual_seed(12345)                            # unrelated earlier use of the global RNG
     torch.rand(7)
     run(train_rm.main, again.root, 1)
+    # bits: the same process, inputs, shapes and thread count (ALIGNLOOP_THREADS) as the first
+    # run: torch's CPU kernels are deterministic run to run
     assert not changed(again.weights(layout.reward_model(1)), ws.weights(layout.reward_model(1)))
     assert again.metrics(layout.metrics(1, "train_rm")) == ws.metrics(layout.metrics(1, "train_rm"))
 
@@ -409,6 +416,7 @@ def test_best_of_n_baseline(ws: Workspace) -> None:
     rm = load_reward_model(ws.path(layout.reward_model(1)))
     pad = lm.load_tokenizer(ws.path(layout.policy(0))).pad_token_id
     picked = best_of_n(rm, cands, p.n, pad)
+    # the same call best_of_n makes, in the same process on the same threads: the same bits
     r = reward_mean_std(rm, [c.prompt_ids for c in cands], [c.response_ids for c in cands],
                         pad)[0].view(-1, p.n)
     for i, c in enumerate(picked):
