@@ -8,7 +8,7 @@ PARAMS ?= params/default.yaml
 
 .PHONY: setup run run-tiny test test-slow status report clean-workspace
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: the local CPU build (an unpinned torch pulls a multi-GB CUDA build)

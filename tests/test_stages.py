@@ -294,24 +294,34 @@ def test_reward_model_training_changed_head_and_backbone(ws: Workspace) -> None:
     assert stats["std"] > 0
 
 
-def test_train_rm_chooses_the_probes_depth_and_saves_that_model(ws: Workspace,
-                                                                 tmp_path: Path) -> None:
-    """The probe alone with `num_layers_grid`: the stage keeps the depth its cross-validation
-    chose, the saved reward model (loaded as evaluate and PPO load it) has that many blocks,
-    and scoring the held-out pairs through it gives the accuracy the stage reported."""
+@pytest.mark.parametrize("epochs, ensemble", [(0, 1), (1, 2)])
+def test_train_rm_chooses_the_probes_depth_and_saves_that_model(ws: Workspace, tmp_path: Path,
+                                                                 epochs: int, ensemble: int
+                                                                 ) -> None:
+    """`num_layers_grid` with the probe alone, or with fine-tuning epochs after it (LP-FT, two
+    members): the stage keeps the depth the probe's cross-validation chose, the saved reward
+    model (loaded as evaluate and PPO load it) has that many blocks in every member, fine-tuned
+    ones moved off the initial model, and scoring the held-out pairs through it gives the
+    accuracy the stage reported (after fine-tuning: not from features cached before it)."""
     again = copy_workspace(ws, tmp_path / "ws")
     shutil.rmtree(again.path(layout.reward_model(1)))
     import yaml
     path = again.path(layout.PARAMS_FILE)          # the tiny profile leaves these at defaults
     data = yaml.safe_load(path.read_text())
-    data["train_rm"].update(epochs=0, head_init="probe", pooling="mean", num_layers_grid=[1, 2],
-                            probe_l2_grid=[0.1, 1.0])
+    data["train_rm"].update(epochs=epochs, ensemble=ensemble, head_init="probe", pooling="mean",
+                            num_layers_grid=[1, 2], probe_l2_grid=[0.1, 1.0])
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     run(train_rm.main, again.root, 1)
     m = again.metrics(layout.metrics(1, "train_rm"))
     assert m["rm/num_layers"] in (1.0, 2.0) and m["rm/depth_cv_loss"] > 0
     saved = reward_model.load_reward_model(again.path(layout.reward_model(1)))
-    assert [reward_model.depth(x) for x in saved.members] == [int(m["rm/num_layers"])]
+    assert [reward_model.depth(x) for x in saved.members] == [int(m["rm/num_layers"])] * ensemble
+    initial = ws.weights(layout.policy(0))
+    for member in saved.members:
+        block = {k: v for k, v in member.state_dict().items() if ".layers.0." in k}
+        assert block and block.keys() <= initial.keys()
+        moved = [k for k, v in block.items() if not torch.equal(v, initial[k])]
+        assert bool(moved) == (epochs > 0), moved
     p = load_params(again.path(layout.PARAMS_FILE))
     pool = [parse_pair(r, "pool", 0, "x") for r in again.records(layout.pairs_pool(1))]
     _, held = reward_model.heldout_split(pool, p.train_rm.heldout_fraction)

@@ -25,9 +25,10 @@ class TrainRMParams:
                                     #   training and scoring); auto: bf16 only where the CPU runs
                                     #   bf16 matmuls natively
     num_layers: int = 0             # backbone blocks the RM keeps, the first N (0 = all)
-    num_layers_grid: tuple[int, ...] = ()  # probe alone: N chosen from these with the probe's L2
-                                    #   by 5-fold CV over the training prompts (empty, or fewer
-                                    #   than 5 training prompts: num_layers as is)
+    num_layers_grid: tuple[int, ...] = ()  # head_init probe: N chosen from these with the probe's
+                                    #   L2 by 5-fold CV over the training prompts, before any
+                                    #   fine-tuning epochs (empty, or fewer than 5 training
+                                    #   prompts: num_layers as is)
     pooling: Literal["last", "mean"] = "last"  # what the head reads: last (HF's last token) | mean
                                     #   (the mean state over the response)
     head_init: Literal["random", "probe"] = "random"  # random | probe (the head fitted first on

@@ -41,13 +41,17 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
     `head_init: probe` each member's head is first fitted on frozen features: on all pairs at
     K = 1, on its own bootstrap resample of them at K > 1 (so members differ). On several
     ranks every rank fits the probe whole (closed form: nothing to split); the fine-tuning
-    epochs are sharded. Without fine-tuning (epochs 0) the backbone stays as loaded, and its
-    features (shared by all members) come back for scoring; with `num_layers_grid` too, its
-    depth is chosen first (`choose_depth`) and every member keeps that many blocks."""
+    epochs are sharded. With `num_layers_grid` the depth is chosen first by the probe's
+    cross-validation (`choose_depth`) and every member keeps that many blocks. Without
+    fine-tuning (epochs 0) the backbone stays as loaded, and its features (shared by all
+    members) come back for scoring; with it (the probe, then the fine-tuning epochs from it:
+    linear probing then fine-tuning, LP-FT, Kumar et al. 2022) they are stale once a member
+    trains, so every member after the first fits its probe on fresh features and none come
+    back."""
     rp = p.train_rm
     members, runs = [], []
     cache, chosen, num_layers = None, {}, rp.num_layers
-    choose = (bool(rp.num_layers_grid) and rp.epochs == 0 and rp.head_init == "probe"
+    choose = (bool(rp.num_layers_grid) and rp.head_init == "probe"
               and len({e.prompt_ids for e in train}) >= PROBE_FOLDS)
     for i in range(rp.ensemble):
         model = init_reward_model(backbone, stage.generator(p.seed, 2, it, i, 0),   # head init
@@ -67,6 +71,7 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
         if rp.epochs > 0:
             run.update(train_reward(model, train, rp, pad_id,
                                     stage.generator(p.seed, 2, it, i, 1), group))   # data order
+            cache = None                        # the backbone moved: its features are stale
         runs.append(run)
         members.append(model)
     metrics = {f"rm/{k}": sum(r[k] for r in runs) / len(runs) for k in runs[0]}
