@@ -41,7 +41,9 @@ def cmd_init(args: argparse.Namespace) -> int:
     root.mkdir(parents=True, exist_ok=True)
     wsmod.apply_environment(wsmod.Workspace(root))
     ws, changed = wsmod.prepare(root, params)
-    wsmod.git(root, "add", "-A")
+    made = [".gitignore", ".dvcignore", ".dvc/config", ".dvc/.gitignore", layout.IMPORT_DIR,
+            layout.AUDIT_LABELS, *changed]          # what init wrote; nothing else of DIR's
+    wsmod.git(root, "add", "--", *made)
     what = f"profile {args.profile}" if not args.params else str(params.name)
     wsmod.git(root, "commit", "-q", "-m",
               f"alignloop init: {what} (alignloop {shipped.version()})")

@@ -144,9 +144,9 @@ def git_bytes(root: Path, *args: str) -> bytes | None:
     return out.stdout if out.returncode == 0 else None
 
 
-def _sync_file(src: Path, dst: Path, data: bytes | None = None) -> bool:
-    data = src.read_bytes() if data is None else data
-    if dst.is_file() and dst.read_bytes() == data:
+def _put(dst: Path, data: bytes) -> bool:
+    """Write `data` to `dst` (atomically) unless it holds those bytes; True if written."""
+    if _same(dst, data):
         return False
     atomic.write_bytes(dst, data)
     return True
@@ -159,7 +159,7 @@ def sync_declaration(root: Path, params_file: Path) -> list[str]:
     if shipped.is_source_tree(root):
         return []
     changed = []
-    if _sync_file(params_file, root / layout.PARAMS_FILE, profile_text(params_file).encode()):
+    if _put(root / layout.PARAMS_FILE, profile_text(params_file).encode()):
         changed.append(layout.PARAMS_FILE)
     return changed + sync_pipeline(root)
 
@@ -167,15 +167,8 @@ def sync_declaration(root: Path, params_file: Path) -> list[str]:
 def sync_pipeline(root: Path) -> list[str]:
     """dvc.yaml (rendered for the workspace's params.yaml), the stage sources and the shipped
     data, from this installation into the workspace: what changed, relative to root."""
-    changed = []
-    if _sync_file(shipped.dvc_yaml(), root / "dvc.yaml", _rendered(root, shipped.dvc_yaml())):
-        changed.append("dvc.yaml")
-    sources = shipped.sources()
-    pairs = [(shipped.tasks_dir().parent / rel, rel) for rel in sorted(sources)]
-    for src, rel in pairs + shipped.data_files():
-        if _sync_file(src, root / rel):
-            changed.append(rel)
-    for rel in sorted(shipped.sources_in(root) - sources):
+    changed = [rel for rel, data in _pipeline_files(root) if _put(root / rel, data)]
+    for rel in sorted(shipped.sources_in(root) - shipped.sources()):
         (root / rel).unlink()
         changed.append(f"{rel} (removed)")
     return changed
@@ -186,15 +179,16 @@ def pipeline_changes(root: Path) -> list[str]:
     `sync_pipeline` would write), without writing anything."""
     if shipped.is_source_tree(root) or not (root / layout.PARAMS_FILE).is_file():
         return []
-    out = []
-    if not _same(root / "dvc.yaml", _rendered(root, shipped.dvc_yaml())):
-        out.append("dvc.yaml")
-    sources = shipped.sources()
-    pairs = [(shipped.tasks_dir().parent / rel, rel) for rel in sorted(sources)]
-    out += [rel for src, rel in pairs + shipped.data_files()
-            if not _same(root / rel, src.read_bytes())]
-    out += [f"{rel} (removed)" for rel in sorted(shipped.sources_in(root) - sources)]
-    return out
+    return [rel for rel, data in _pipeline_files(root) if not _same(root / rel, data)] + \
+        [f"{rel} (removed)" for rel in sorted(shipped.sources_in(root) - shipped.sources())]
+
+
+def _pipeline_files(root: Path) -> list[tuple[str, bytes]]:
+    """(path in the workspace, bytes) of the installed pipeline: dvc.yaml rendered for the
+    workspace's params, the stage sources, the shipped data."""
+    sources = [(shipped.tasks_dir().parent / rel, rel) for rel in sorted(shipped.sources())]
+    return [("dvc.yaml", _rendered(root, shipped.dvc_yaml()))] + \
+        [(rel, src.read_bytes()) for src, rel in sources + shipped.data_files()]
 
 
 def _same(path: Path, data: bytes) -> bool:
@@ -212,7 +206,7 @@ def _rendered(root: Path, template: Path) -> bytes:
 def render_declaration(root: Path) -> bool:
     """Render the workspace's own dvc.yaml again for its params.yaml (a run that keeps the
     workspace's declaration: params edited there by hand); True if it changed."""
-    return _sync_file(root / "dvc.yaml", root / "dvc.yaml", _rendered(root, root / "dvc.yaml"))
+    return _put(root / "dvc.yaml", _rendered(root, root / "dvc.yaml"))
 
 
 def init(root: Path) -> bool:
@@ -347,7 +341,8 @@ def header(profile: Profile, filled: Sequence[str] = ()) -> str:
     fill = (f"# written with their defaults (a stage reads them): {', '.join(filled)}\n"
             if filled else "")
     return (f"# written by alignloop {shipped.version()} from (each over the next):\n{names}"
-            f"{fill}# edit this file for this workspace (`alignloop run --params FILE` replaces it)\n")
+            f"{fill}# edit this file for this workspace (`alignloop run --params FILE` "
+            "replaces it)\n")
 
 
 def _whence(path: Path) -> str:

@@ -69,13 +69,15 @@ def test_profiles_lists_the_shipped_ones_and_version_is_the_package_s() -> None:
 
 def test_init_makes_a_committed_workspace_that_points_nowhere_outside_it(tmp_path: Path) -> None:
     ws = tmp_path / "WS"
+    ws.mkdir()
+    (ws / "notes.txt").write_text("a file of the user's own\n")
     out = run_cli("init", str(ws), "--profile", "tiny").stdout
     assert f"alignloop run --workspace {ws}" in out
     log = subprocess.run(["git", "log", "--format=%s"], cwd=ws, capture_output=True,
                          text=True, check=True).stdout.splitlines()
     assert log == [f"alignloop init: profile tiny (alignloop {VERSION})"]
     assert subprocess.run(["git", "status", "--porcelain"], cwd=ws, capture_output=True,
-                          text=True).stdout == ""
+                          text=True).stdout == "?? notes.txt\n"      # not init's to commit
     params = (ws / "params.yaml").read_text()
     assert params.startswith(f"# written by alignloop {VERSION} from (each over the next):\n"
                              "#   profile tiny (shipped with alignloop)\n")
