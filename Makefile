@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 WORKSPACE ?= workspace
 PARAMS ?= params/default.yaml
 
-.PHONY: setup run run-tiny test test-slow status report clean-workspace
+.PHONY: setup run run-tiny test test-slow test-kernels status report clean-workspace
 
 $(STAMP): pyproject.toml setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,6 +43,15 @@ test: $(STAMP)
 # targets.
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow -q
+
+# The tests whose arithmetic runs through torch's CPU kernels, again on the kernels of other CPUs
+# than this one: AVX2 (ATen and oneDNN capped at AVX2: a CPU without AVX-512 or bf16) and
+# AVX512 without AMX (AMD EPYC's kind). A test that asserts how a kernel rounds fails here.
+KERNEL_TESTS := tests/test_sampling.py tests/test_probe.py tests/test_losses.py \
+	tests/test_rm_ensemble.py tests/test_precision.py tests/test_dpo_family.py
+test-kernels: $(STAMP)
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -m "not slow" -q $(KERNEL_TESTS)
+	ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 $(BIN)/python -m pytest -m "not slow" -q $(KERNEL_TESTS)
 
 status: $(STAMP)
 	$(BIN)/alignloop status --workspace $(WORKSPACE)
