@@ -284,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     lin.add_argument("--json", action="store_true")
     lin.add_argument("--verify", action="store_true",
                      help="re-hash every artifact from the DVC cache and remote")
+    lin.add_argument("--skip-remote", action="store_true",
+                     help="with --verify: the cache and git only (the remote is not checked)")
     lin.set_defaults(func=cmd_lineage)
     dep = sub.add_parser("deploy", help="move the `production` alias (default: the champion)")
     dep.add_argument("version", nargs="?")

@@ -108,17 +108,21 @@ def cmd_lineage(args: argparse.Namespace) -> int:
         _print_lineage(tree)
     if not args.verify:
         return 0
-    problems = []
+    artifacts: dict[tuple[str, str], tuple[dict, str]] = {}
     node: object = tree
     while isinstance(node, dict):          # this version and every parent policy
-        problems += verify.verify(root, lineage.iter_artifacts(node["produced_by"]),
-                                  node["git_commit"])
+        for a in lineage.iter_artifacts(node["produced_by"]):
+            artifacts.setdefault((a["path"], a["md5"]), (a, node["git_commit"]))
         node = node.get("parent_policy")
+    kept = verify.stores(root, args.skip_remote)
+    problems = verify.verify(root, list(artifacts.values()), kept)
     for p in problems:
         print(f"verify: FAILED {p}", file=sys.stderr)
-    n = len(lineage.iter_artifacts(tree))
-    print(f"verify: {'FAILED' if problems else 'ok'}: {n} artifacts re-hashed from the DVC "
-          f"cache and remote{', ' + str(len(problems)) + ' problems' if problems else ''}")
+    checked = " and ".join(f"{s.name} ({s.where})" for s in kept if s.base is not None)
+    skipped = "; the remote skipped (--skip-remote)" if args.skip_remote else ""
+    print(f"verify: {'FAILED' if problems else 'ok'}: {len(artifacts)} artifacts re-hashed "
+          f"from the {checked}{skipped}"
+          f"{', ' + str(len(problems)) + ' problems' if problems else ''}")
     return 1 if problems else 0
 
 

@@ -32,9 +32,26 @@ def resolve(client: MlflowClient, uri: str) -> Any:
     m = URI.match(uri)
     if not m:
         raise LineageError(f"{uri}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
-    if m["alias"]:
-        return client.get_model_version_by_alias(m["name"], m["alias"])
-    return client.get_model_version(m["name"], m["version"])
+    from mlflow.exceptions import MlflowException
+    try:
+        if m["alias"]:
+            return client.get_model_version_by_alias(m["name"], m["alias"])
+        return client.get_model_version(m["name"], m["version"])
+    except MlflowException:
+        raise LineageError(f"{uri}: {_missing(client, m['name'], m['alias'])}") from None
+
+
+def _missing(client: MlflowClient, name: str, alias: str | None) -> str:
+    """What the registry has instead of the model, alias or version asked for."""
+    names = sorted(rm.name for rm in client.search_registered_models())
+    if name not in names:
+        return f"no registered model {name} (registered: {', '.join(names) or 'none'})"
+    if alias:
+        aliases = client.get_registered_model(name).aliases or {}
+        have = ", ".join(f"{a} -> v{v}" for a, v in sorted(aliases.items())) or "none"
+        return f"{name} has no alias {alias} (aliases: {have})"
+    versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+    return f"{name} has no such version (versions: {', '.join(map(str, versions)) or 'none'})"
 
 
 def _at_commit(root: Path, commit: str, path: str) -> str:

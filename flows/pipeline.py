@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from flows import crashpoints, dag, heartbeats, registry, signals, targets, tracking
+from flows import crashpoints, dag, heartbeats, registry, relocate, signals, targets, tracking
 from flows.workspace import Workspace, git, git_bytes
 from tasks import layout
 from tasks.judges import PAIRWISE_KINDS
@@ -210,7 +210,7 @@ def ensure_experiment(root: Path) -> None:
     client = registry.MlflowClient()
     exp = client.get_experiment_by_name(tracking.EXPERIMENT)
     if exp is None:
-        location = (ws.state / "mlflow-artifacts").as_uri() \
+        location = (ws.state / relocate.ARTIFACTS).as_uri() \
             if mlflow.get_tracking_uri() == ws.mlflow_uri else None
         exp_id = client.create_experiment(tracking.EXPERIMENT, artifact_location=location)
     else:

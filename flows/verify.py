@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +32,35 @@ def object_path(base: Path, md5: str) -> Path:
     return base / md5[:2] / md5[2:]
 
 
-def _stores(root: Path) -> dict[str, Path]:
-    stores = {"cache": root / CACHE}
+@dataclass(frozen=True)
+class Store:
+    """A place that keeps copies: the DVC cache, or the default remote (by name)."""
+    name: str                       # "cache" or "remote 'NAME'"
+    where: str                      # its path or URL, as configured
+    base: Path | None               # its object store on this machine; None: not re-hashable
+    problem: str | None = None      # why it cannot be checked (unreachable, not local)
+
+
+def stores(root: Path, skip_remote: bool = False) -> list[Store]:
+    """The cache, and the default remote unless skipped: a local remote whose directory is
+    missing is a store that cannot be checked (a problem, never a silent skip); a remote that is
+    not a local directory cannot be re-hashed here and is a problem too, unless skipped."""
+    out = [Store("cache", str(root / CACHE), root / CACHE)]
     with Repo(str(root)) as repo:
-        conf = repo.config
+        conf = repo.config                  # .dvc/config with config.local over it, resolved
         name = conf["core"].get("remote")
         url = conf["remote"].get(name, {}).get("url") if name else None
-    if url and "://" not in url:
-        remote = Path(url) if Path(url).is_absolute() else (root / ".dvc" / url).resolve()
-        stores["remote"] = remote / "files" / "md5"
-    return stores
+    if skip_remote or not url:
+        return out
+    label = f"remote '{name}'"
+    if "://" in url and not url.startswith("file://"):
+        return out + [Store(label, url, None, "not a local directory: its objects cannot be "
+                                              "re-hashed here (--skip-remote verifies without it)")]
+    path = Path(url.removeprefix("file://"))
+    path = path if path.is_absolute() else (root / ".dvc" / path).resolve()
+    if not path.is_dir():
+        return out + [Store(label, str(path), None, "unreachable (no such directory)")]
+    return out + [Store(label, str(path), path / "files" / "md5")]
 
 
 def _load_weights(path: Path) -> str | None:
@@ -84,20 +104,24 @@ def _check_copy(base: Path, artifact: dict[str, Any]) -> list[str]:
     return problems
 
 
-def verify(root: Path, artifacts: list[dict[str, Any]], commit: str) -> list[str]:
-    """Problems found ("" list = every artifact recoverable and intact)."""
+def verify(root: Path, artifacts: list[tuple[dict[str, Any], str]],
+           kept: list[Store]) -> list[str]:
+    """Problems found ([] = every artifact recoverable and intact, and every store checked):
+    a store that cannot be checked is one; an artifact (with the commit that recorded it) with
+    no intact copy in any store, nor in git at its commit for git-tracked metrics, is one; a
+    copy present but altered is one."""
     from flows.workspace import git_bytes
-    stores, problems = _stores(root), []
-    for a in artifacts:
-        copies = {name: _check_copy(base, a) for name, base in stores.items()
-                  if base.exists()}
+    problems = [f"{s.name} at {s.where}: {s.problem}" for s in kept if s.problem]
+    readable = {s.name: s.base for s in kept if s.base is not None}
+    for a, commit in artifacts:
+        copies = {name: _check_copy(base, a) for name, base in readable.items()}
         present = {n: p for n, p in copies.items() if p != ["missing"]}
         if not present:
             blob = git_bytes(root, "show", f"{commit}:{a['path']}")
             if blob is not None and hashlib.md5(blob).hexdigest() == a["md5"]:
                 continue                     # git-tracked (metrics): intact at the commit
             problems.append(f"{a['path']} ({a['md5']}): not recoverable from "
-                            f"{', '.join(stores)} or git")
+                            f"{', '.join(readable)} or git")
             continue
         for name, found in present.items():
             problems.extend(f"{a['path']} ({a['md5']}) in {name}: {p}" for p in found)

@@ -29,6 +29,7 @@ from tasks.params import SAFE_LOADER, Params, load_params, to_dict
 from tasks.profiles import Profile, read_profile
 
 STATE_DIR = ".alignloop"             # Prefect home, MLflow store, DVC remote, server pid/logs
+REMOTE = "local"                     # the default DVC remote: <workspace>/.alignloop/dvc-remote
 GITIGNORE = f"/{STATE_DIR}/\n__pycache__/\n"
 # MLflow writes this note into a model directory loaded through a models:/ URI; it is not an
 # output, so DVC must not see the directory as changed
@@ -110,7 +111,11 @@ def workspace_lock(ws: Workspace, overlap: str = "wait") -> Iterator[None]:
 
 def apply_environment(ws: Workspace) -> None:
     secure_state(ws)
-    os.environ.update(environment(ws))
+    env = environment(ws)
+    if env["MLFLOW_TRACKING_URI"] == ws.mlflow_uri:    # the workspace's own store, not a team's
+        from flows import relocate
+        relocate.follow(ws.state / "mlflow.db", ws.root)
+    os.environ.update(env)
 
 
 def secure_state(ws: Workspace) -> None:
@@ -232,12 +237,15 @@ def init(root: Path) -> bool:
                 Repo.init(str(root))
         finally:
             dvc_log.setLevel(level)
-        with Repo(str(root)).config.edit() as conf:
+        with contextlib.chdir(root), Repo(str(root)).config.edit() as conf:
             conf["core"]["analytics"] = False
             conf["core"]["autostage"] = False
-            conf["core"]["remote"] = "local"
-            conf["remote"]["local"] = {"url": str(ws.dvc_remote)}
+            conf["core"]["remote"] = REMOTE
+            # relative: DVC writes it relative to .dvc/ and resolves it against .dvc/, so a
+            # copy or a clone of the workspace pushes into its own remote, not this one's
+            conf["remote"][REMOTE] = {"url": str(ws.dvc_remote.relative_to(root))}
         created = True
+    _relative_remote(root)
     ignore = root / ".dvcignore"
     lines = ignore.read_text().splitlines() if ignore.is_file() else []
     missing = [x for x in DVCIGNORE if x not in lines]
@@ -253,6 +261,24 @@ def init(root: Path) -> bool:
         atomic.write_text(readme, "Put your own preference pairs here (JSONL or a saved HF "
                                   "datasets directory) and set offpolicy.source: import.\n")
     return created
+
+
+def _relative_remote(root: Path) -> None:
+    """A workspace made before remotes were relative names its own default remote by absolute
+    path (`<dir>/.alignloop/dvc-remote`): in a copy or a clone that path is the original's.
+    Written relative again (to the copy's own remote), once; a remote a person set (another
+    name, another place, a URL) is left alone."""
+    import configparser
+    path = root / ".dvc" / "config"
+    conf = configparser.ConfigParser()
+    conf.read(path)
+    section = f"'remote \"{REMOTE}\"'"
+    url = conf.get(section, "url", fallback="")
+    default = Path(STATE_DIR) / "dvc-remote"
+    if not (Path(url).is_absolute() and Path(url).parts[-2:] == default.parts):
+        return
+    text = path.read_text()
+    atomic.write_text(path, text.replace(f"url = {url}\n", f"url = ../{default.as_posix()}\n"))
 
 
 def validate(root: Path, params_file: Path | None) -> Params:

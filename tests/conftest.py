@@ -74,7 +74,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 
 def copy_workspace(src: Path, dst: Path) -> Path:
-    """A full copy (git, DVC cache, MLflow store); it shares the original's DVC remote."""
+    """A full copy (git, DVC cache, MLflow store, its own DVC remote: the default remote is
+    named relative to the workspace)."""
     import shutil
     shutil.copytree(src, dst, symlinks=True)
     return dst

@@ -152,12 +152,62 @@ def test_verify_passes_then_names_a_tampered_dataset(ws):
 
 
 def test_fresh_clone_dvc_pull_then_verify(tiny_run, tmp_path):
+    """A colleague's clone: git clone, the source's remote named as theirs (the default remote
+    lives inside each workspace, so a clone names the one it shares), dvc pull, verify."""
     src = tiny_run["ws"]
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(src), str(clone)], check=True)
-    subprocess.run([sys.executable, "-m", "dvc", "pull", "-q"], cwd=clone, check=True)
+    assert "url = ../.alignloop/dvc-remote\n" in (clone / ".dvc" / "config").read_text()
+    dvc = [sys.executable, "-m", "dvc"]
+    subprocess.run([*dvc, "remote", "add", "--local", "-d", "origin",
+                    str(src / ".alignloop" / "dvc-remote")], cwd=clone, check=True)
+    subprocess.run([*dvc, "pull", "-q"], cwd=clone, check=True)
     assert snapshot(clone)["data/iter_2/pairs.jsonl"] == snapshot(src)["data/iter_2/pairs.jsonl"]
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{src / '.alignloop' / 'mlflow.db'}"}
     out = run_cli("lineage", "models:/alignloop-policy/2", "--workspace", str(clone),
                   "--verify", env=env)
-    assert "verify: ok" in out.stdout
+    assert f"re-hashed from the cache ({clone}/.dvc/cache/files/md5) and remote 'origin' " \
+           f"({src}/.alignloop/dvc-remote)" in out.stdout and "verify: ok" in out.stdout
+
+
+def test_verify_fails_naming_a_remote_it_cannot_reach_unless_skipped(ws):
+    """The default remote deleted: --verify exits 1 naming it, never "ok" for a store it did
+    not check; --skip-remote checks the cache and git only and says so."""
+    import shutil
+    shutil.rmtree(ws / ".alignloop" / "dvc-remote")
+    bad = run_cli("lineage", "models:/alignloop-policy@champion", "--workspace", str(ws),
+                  "--verify", check=False)
+    assert bad.returncode == 1
+    assert f"verify: FAILED remote 'local' at {ws}/.alignloop/dvc-remote: unreachable (no " \
+           "such directory)\n" in bad.stderr
+    assert "verify: FAILED: " in bad.stdout and "verify: ok" not in bad.stdout
+    skipped = run_cli("lineage", "models:/alignloop-policy@champion", "--workspace", str(ws),
+                      "--verify", "--skip-remote")
+    assert "verify: ok: " in skipped.stdout and "the remote skipped (--skip-remote)" in \
+        skipped.stdout and "remote 'local'" not in skipped.stdout
+
+
+def test_a_copy_of_an_old_workspace_takes_its_own_remote(ws, tmp_path):
+    """A workspace made when the default remote was named by absolute path: its copy, at its
+    next run, names its own remote again (relative), and pushes nothing into the original's."""
+    config = ws / ".dvc" / "config"
+    original = tmp_path / "original"
+    config.write_text(config.read_text().replace(
+        "url = ../.alignloop/dvc-remote", f"url = {original}/.alignloop/dvc-remote"))
+    _set_param(ws, "evaluate", "bootstrap", 300)
+    _run(ws)
+    assert "url = ../.alignloop/dvc-remote\n" in config.read_text()
+    assert not original.exists()
+
+
+@pytest.mark.parametrize("uri, line", [
+    ("models:/alignloop-policy@production",
+     "alignloop-policy has no alias production (aliases: champion -> v2)"),
+    ("models:/alignloop-policy/9", "alignloop-policy has no such version (versions: 1, 2)"),
+    ("models:/alignloop-polcy@champion", "no registered model alignloop-polcy (registered: "
+                                         "alignloop-policy, alignloop-reward-model)")])
+def test_lineage_of_what_is_not_registered_is_one_line_naming_what_is(ws, uri, line):
+    out = run_cli("lineage", uri, "--workspace", str(ws), check=False)
+    assert out.returncode == 2 and out.stderr == f"error: {uri}: {line}\n"
+
+
