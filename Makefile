@@ -48,7 +48,8 @@ test-slow: $(STAMP)
 # than this one: AVX2 (ATen and oneDNN capped at AVX2: a CPU without AVX-512 or bf16) and
 # AVX512 without AMX (AMD EPYC's kind). A test that asserts how a kernel rounds fails here.
 KERNEL_TESTS := tests/test_sampling.py tests/test_probe.py tests/test_losses.py \
-	tests/test_rm_ensemble.py tests/test_precision.py tests/test_dpo_family.py
+	tests/test_rm_ensemble.py tests/test_precision.py tests/test_dpo_family.py tests/test_stages.py \
+	tests/test_judge_stages.py
 test-kernels: $(STAMP)
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -m "not slow" -q $(KERNEL_TESTS)
 	ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 $(BIN)/python -m pytest -m "not slow" -q $(KERNEL_TESTS)
