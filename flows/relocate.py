@@ -49,17 +49,23 @@ def follow(db: Path, root: Path) -> int:
     old = recorded_root(db)
     if old is None or old == root:
         return 0
-    pairs = [(f"{old}/", f"{root}/"), (f"{old.as_uri()}/", f"{root.as_uri()}/")]
+    # a path names the old root where a field starts with it (or is it); inside a field (JSON)
+    # only after a quote or as a file URI, so /data/old/... is not /old/...
+    inside = [(f'"{old}/', f'"{root}/'), (f"{old.as_uri()}/", f"{root.as_uri()}/")]
     changed = 0
     with closing(sqlite3.connect(db)) as con, con:
         for table, column in _text_columns(con):
-            q = f'"{table}"', f'"{column}"'
-            changed += con.execute(f"UPDATE {q[0]} SET {q[1]} = ? WHERE {q[1]} = ?",
+            t, c = f'"{table}"', f'"{column}"'
+            changed += con.execute(f"UPDATE {t} SET {c} = ? WHERE {c} = ?",
                                    (str(root), str(old))).rowcount
-            for a, b in pairs:
+            start = f"{old}/"
+            changed += con.execute(
+                f"UPDATE {t} SET {c} = ? || substr({c}, ?) WHERE substr({c}, 1, ?) = ?",
+                (f"{root}/", len(start) + 1, len(start), start)).rowcount
+            for a, b in inside:
                 changed += con.execute(
-                    f"UPDATE {q[0]} SET {q[1]} = replace({q[1]}, ?, ?) "
-                    f"WHERE instr({q[1]}, ?) > 0", (a, b, a)).rowcount
+                    f"UPDATE {t} SET {c} = replace({c}, ?, ?) WHERE instr({c}, ?) > 0",
+                    (a, b, a)).rowcount
     return changed
 
 

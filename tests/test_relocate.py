@@ -31,6 +31,7 @@ c = mlflow.MlflowClient()
 exp = c.create_experiment("alignloop", artifact_location=(state / "mlflow-artifacts").as_uri())
 with mlflow.start_run(experiment_id=exp) as run:
     mlflow.set_tag("alignloop.workspace", str(root))
+    mlflow.set_tag("elsewhere", f"/mnt{{root}}/models")       # another path that contains it
     src = (state / "dvc-remote" / "files" / "md5" / "ab" / "cdef").as_uri()
     mlflow.log_input(MetaDataset(source=HTTPDatasetSource(src), name="data/x.jsonl",
                                  digest="abcdef"))
@@ -52,6 +53,7 @@ c = mlflow.MlflowClient()
 run = c.get_run({run_id!r}); mv = c.get_model_version("alignloop-policy", "1")
 print(json.dumps({{"location": c.get_experiment_by_name("alignloop").artifact_location,
     "artifact_uri": run.info.artifact_uri, "tag": run.data.tags["alignloop.workspace"],
+    "elsewhere": run.data.tags["elsewhere"],
     "source": mv.source, "mv_tag": mv.tags["workspace"],
     "dataset": json.loads(run.inputs.dataset_inputs[0].dataset.source)["url"],
     "report": mlflow.artifacts.load_text(run.info.artifact_uri + "/report/index.html")}}))
@@ -73,6 +75,7 @@ def test_a_copied_store_names_the_copy_and_the_original_is_untouched(tmp_path: P
                    "artifact_uri": f"{(b / '.alignloop' / 'mlflow-artifacts').as_uri()}/"
                                    f"{run_id}/artifacts",
                    "tag": str(b), "source": str(b / "models" / "iter_1" / "policy"),
+                   "elsewhere": f"/mnt{a}/models",                  # not the workspace's
                    "mv_tag": str(b),
                    "dataset": (b / ".alignloop" / "dvc-remote" / "files" / "md5" / "ab" /
                                "cdef").as_uri(),
