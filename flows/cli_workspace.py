@@ -61,7 +61,8 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
         if not changed:
             print(f"{ws.root}: the pipeline is alignloop {shipped.version()}'s already")
             return 0
-        wsmod.git(ws.root, "add", "-A")
+        paths = [c.removesuffix(" (removed)") for c in changed]   # nothing else of the user's
+        wsmod.git(ws.root, "add", "-A", "--", *paths)
         wsmod.git(ws.root, "commit", "-q", "-m",
                   f"alignloop upgrade: the pipeline of alignloop {shipped.version()}\n\n"
                   + "\n".join(changed))

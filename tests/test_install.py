@@ -119,12 +119,15 @@ def test_a_workspace_keeps_its_pipeline_until_upgrade_and_status_says_what_rerun
     as_json = run_cli("status", "--json", "--workspace", str(ws), check=False)
     assert json.loads(as_json.stdout) and as_json.stderr.startswith("pipeline: 2 files")
 
+    (ws / "draft.txt").write_text("a file of the user's own\n")
     up = run_cli("upgrade", "--workspace", str(ws)).stdout
     assert "  tasks/stages/judge.py\n" in up and "  params/prompts/templates.txt\n" in up
     assert judge.read_bytes() == (ROOT / "tasks" / "stages" / "judge.py").read_bytes()
     head = subprocess.run(["git", "log", "-1", "--format=%s"], cwd=ws, capture_output=True,
                           text=True).stdout.strip()
     assert head == f"alignloop upgrade: the pipeline of alignloop {VERSION}"
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=ws, capture_output=True,
+                          text=True).stdout == "?? draft.txt\n"     # not upgrade's to commit
     assert not run_cli("status", "--workspace", str(ws), check=False).stdout.startswith(
         "pipeline:")
     assert run_cli("upgrade", "--workspace", str(ws)).stdout.strip().endswith("already")
