@@ -15,7 +15,7 @@ from typing import Any
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from flows import crashpoints
+from flows import crashpoints, registry_record
 from flows.registry import POLICY_MODEL
 from flows.workspace import git
 from tasks import atomic
@@ -93,10 +93,10 @@ def _last_move(lines: list[dict[str, Any]], alias: str, model: str) -> dict[str,
 
 
 def _commit_ledger(root: Path, message: str) -> None:
-    """Commit the ledger if it differs from HEAD's (nothing else that is staged goes with it)."""
-    if git(root, "status", "--porcelain", "--", LEDGER):
-        git(root, "add", LEDGER)
-        git(root, "commit", "-q", "-m", message, "--", LEDGER)
+    """Commit the ledger, with the registry's record in git rewritten (it holds the aliases),
+    if they differ from HEAD's (nothing else that is staged goes with them)."""
+    registry_record.write(root)
+    registry_record.commit(root, message, also=(LEDGER,))
 
 
 def _who(root: Path) -> str:

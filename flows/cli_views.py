@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from flows import workspace as wsmod
 from flows.run import RunFailed
@@ -99,8 +101,20 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     from mlflow.tracking import MlflowClient
 
     from flows import lineage, verify
-    root = existing_workspace(args.workspace).root
-    client = MlflowClient()
+    from flows.registry_record import Record
+    ws = existing_workspace(args.workspace)
+    root = ws.root
+    own_store = os.environ["MLFLOW_TRACKING_URI"] == ws.mlflow_uri
+    client: Any
+    if own_store and not (ws.state / "mlflow.db").is_file():
+        if not Record.available(root):
+            raise InputError(f"{root}: no MLflow store (.alignloop/mlflow.db) and no registry "
+                             "record (registry/versions.json): nothing registered to trace")
+        client = Record(root)       # a clone: no MLflow store, the registry's record in git
+        print(f"lineage: from the registry record {client.where} (no MLflow store in this "
+              "workspace)", file=sys.stderr)
+    else:
+        client = MlflowClient()
     tree = lineage.model_lineage(root, client, lineage.resolve(client, args.model))
     if args.json:
         print(json.dumps(tree, indent=2, default=str))

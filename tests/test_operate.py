@@ -151,23 +151,46 @@ def test_verify_passes_then_names_a_tampered_dataset(ws):
     assert "data/iter_1/pairs.jsonl" in bad.stderr and "in cache: altered" in bad.stderr
 
 
-def test_fresh_clone_dvc_pull_then_verify(tiny_run, tmp_path):
-    """A colleague's clone: git clone, the source's remote named as theirs (the default remote
-    lives inside each workspace, so a clone names the one it shares), dvc pull, verify."""
-    src = tiny_run["ws"]
+def test_a_clone_audits_the_champion_with_the_source_workspace_gone(tiny_run, tmp_path):
+    """A colleague's clone on another directory: git clone, the team's remote named as theirs
+    (the default remote lives inside each workspace), dvc pull; then the source workspace is
+    removed. `lineage` traces the champion back to the data bytes from the registry's record in
+    git (no MLflow store travels, none is created), and --verify re-hashes every artifact."""
+    import shutil
+    src = copy_workspace(tiny_run["ws"], tmp_path / "src")
+    remote = tmp_path / "team-remote"
+    shutil.move(src / ".alignloop" / "dvc-remote", remote)
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(src), str(clone)], check=True)
     assert "url = ../.alignloop/dvc-remote\n" in (clone / ".dvc" / "config").read_text()
     dvc = [sys.executable, "-m", "dvc"]
-    subprocess.run([*dvc, "remote", "add", "--local", "-d", "origin",
-                    str(src / ".alignloop" / "dvc-remote")], cwd=clone, check=True)
+    subprocess.run([*dvc, "remote", "add", "--local", "-d", "origin", str(remote)], cwd=clone,
+                   check=True)
     subprocess.run([*dvc, "pull", "-q"], cwd=clone, check=True)
     assert snapshot(clone)["data/iter_2/pairs.jsonl"] == snapshot(src)["data/iter_2/pairs.jsonl"]
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{src / '.alignloop' / 'mlflow.db'}"}
-    out = run_cli("lineage", "models:/alignloop-policy/2", "--workspace", str(clone),
-                  "--verify", env=env)
+    in_src = json.loads(run_cli("lineage", "models:/alignloop-policy@champion", "--workspace",
+                                str(src), "--json").stdout)
+    shutil.rmtree(src)
+    out = run_cli("lineage", "models:/alignloop-policy@champion", "--workspace", str(clone),
+                  "--verify")
+    assert "lineage: from the registry record registry/versions.json at commit " in out.stderr
+    head = out.stdout.splitlines()[0]
+    assert head.startswith(f"alignloop-policy v{in_src['version']} ['champion'] md5 "
+                           f"{in_src['model_md5']}")
+    assert "input data/iter_2/pairs.jsonl md5 " in out.stdout          # back to the data bytes
     assert f"re-hashed from the cache ({clone}/.dvc/cache/files/md5) and remote 'origin' " \
-           f"({src}/.alignloop/dvc-remote)" in out.stdout and "verify: ok" in out.stdout
+           f"({remote})" in out.stdout and "verify: ok" in out.stdout
+    tree = json.loads(run_cli("lineage", "models:/alignloop-policy@champion", "--workspace",
+                              str(clone), "--json").stdout)
+    same = ("version", "model_md5", "git_commit", "dvc_stage", "judge", "produced_by",
+            "reward_model")
+    assert {k: tree[k] for k in same} == {k: in_src[k] for k in same}
+    assert tree["parent_policy"]["version"] == in_src["parent_policy"]["version"]
+    assert not (clone / ".alignloop" / "mlflow.db").exists()
+    bad = run_cli("lineage", "models:/alignloop-policy@production", "--workspace", str(clone),
+                  check=False)
+    assert bad.returncode == 2 and "alignloop-policy has no alias production (aliases: " \
+        f"champion -> v{in_src['version']})" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_verify_fails_naming_a_remote_it_cannot_reach_unless_skipped(ws):
