@@ -14,10 +14,10 @@ from flows import workspace as wsmod
 from flows.cli_views import (cmd_dag, cmd_lineage, cmd_params, cmd_report, cmd_status,
                              existing_workspace, print_report)
 from flows.run import RunFailed, quiet_prefect
-from flows.targets import SETUP_STAGES, check, iteration_minutes, recorded_seconds
+from flows import targets
+from flows.targets import SETUP_STAGES
 from tasks import layout
 from tasks.errors import InputError
-from tasks.report import collect_report
 
 DEFAULT_WORKSPACE = "workspace"
 
@@ -72,23 +72,13 @@ def _print_targets(root: Path, stages: list[str], ran: set[str]) -> None:
     """The last iteration against the profile's efficacy bar (`targets:`), met or missed. The
     loop's minutes are each stage's recorded time for the outputs it holds (flows/targets.py),
     so a resumed or partly cached run still counts what the whole loop cost."""
-    from flows.dag import read_lock
-    report = collect_report(root)
-    last = max((k for k in report if k != "0"), key=int, default=None)
-    if last is None:
+    result = targets.assess(root, stages)
+    if result is None:
         return
-    loop = [n for n in stages if n.split("@")[0] not in SETUP_STAGES]
-    timed, untimed = recorded_seconds(root, loop, read_lock(root))
-    minutes = iteration_minutes(timed) if loop and not untimed else None
-    checks = check(report[last], wsmod.Workspace(root).params().targets, minutes)
-    met = sum(c.met for c in checks)
-    print(f"targets (iteration {last}): {met} of {len(checks)} met")
-    for c in checks:
-        print(c.line())
-    if untimed:
-        print(f"  [untimed] iteration minutes: no recorded time for {', '.join(untimed)} "
-              "(outputs restored, not computed here)")
-    elif minutes:
+    print("\n".join(targets.lines(result)))
+    minutes = result["minutes"]
+    if minutes and not result["untimed"]:
+        loop = [n for n in stages if n.split("@")[0] not in SETUP_STAGES]
         each = ", ".join(f"{k}: {minutes[k]:.2f}" for k in sorted(minutes, key=int))
         print(f"  (minutes per iteration {each}; all {sum(minutes.values()):.2f}: each loop "
               f"stage's time when it computed its outputs; this run computed "
@@ -222,6 +212,23 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`mlflow models serve` of a registered version, with the workspace's store and this
+    interpreter's environment (MLflow starts `uvicorn` by name: its bin directory goes first on
+    PATH). A policy is a chat model: POST /invocations {"messages": [...], "max_tokens": N}."""
+    from mlflow.tracking import MlflowClient
+
+    from flows import lineage
+    ws = existing_workspace(args.workspace)
+    mv = lineage.resolve(MlflowClient(), args.model)       # one line for a bad name or alias
+    print(f"serving {mv.name} v{mv.version} ({args.model}) on http://{args.host}:{args.port}"
+          "/invocations", flush=True)
+    cmd = [sys.executable, "-m", "mlflow", "models", "serve", "-m", args.model,
+           "--env-manager", "local", "-h", args.host, "-p", str(args.port)]
+    os.execvpe(cmd[0], cmd, {**os.environ, **wsmod.environment(ws)})
+    return 0                                               # not reached
+
+
 EXAMPLES = """examples:
   alignloop run                                # the default profile in ./workspace
   alignloop run --params params/tiny.yaml --workspace /tmp/w   # a 2-minute demo
@@ -230,6 +237,7 @@ EXAMPLES = """examples:
   alignloop rerun train_rm@2 --downstream      # recompute one stage and what follows
   alignloop import hh.jsonl --workspace /tmp/w # your own preference pairs (TRL formats)
   alignloop lineage models:/alignloop-policy@champion --verify
+  alignloop serve models:/alignloop-policy@champion --port 5000   # chat over HTTP
   alignloop server start && alignloop schedule --cron "0 3 * * 1"
   alignloop schedule --work-pool local --cron "0 3 * * 1"   # for `prefect worker start`
   alignloop judge-server start --model DIR     # an OpenAI-compatible judge on loopback
@@ -287,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     lin.add_argument("--skip-remote", action="store_true",
                      help="with --verify: the cache and git only (the remote is not checked)")
     lin.set_defaults(func=cmd_lineage)
+    srv_m = sub.add_parser("serve", help="serve a registered version over HTTP (MLflow's "
+                                          "scoring server; a policy answers chat requests)")
+    srv_m.add_argument("model", nargs="?", default="models:/alignloop-policy@champion")
+    srv_m.add_argument("--port", type=int, default=5000)
+    srv_m.add_argument("--host", default="127.0.0.1")
+    srv_m.add_argument("--workspace", default=DEFAULT_WORKSPACE)
+    srv_m.set_defaults(func=cmd_serve)
     dep = sub.add_parser("deploy", help="move the `production` alias (default: the champion)")
     dep.add_argument("version", nargs="?")
     dep.add_argument("--reason", default="deploy", help="why (recorded with the move)")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from tasks import layout
+from tasks import chat_signature, layout
 
 MLMODEL = layout.MLMODEL
 COMPONENTS_DIR = "components"          # MLflow's fixed place for pipeline components
@@ -46,6 +46,10 @@ TASKS: dict[str, tuple[str, list[dict[str, object]], list[dict[str, object]] | N
                             [{"type": "string", "name": "label", "required": True},
                              {"type": "double", "name": "score", "required": True}], None),
 }
+# MLflow's chat task: a text-generation pipeline served as OpenAI chat completions (`messages`
+# in, the assistant's reply out, the tokenizer's chat template applied); its signature is
+# MLflow's (tasks/chat_signature.py), its knobs are the request's (max_tokens, temperature)
+CHAT = "llm/v1/chat"
 
 
 def _version(package: str) -> str | None:
@@ -74,6 +78,8 @@ def model_binary(model_dir: Path) -> str:
 def flavor_config(model_dir: Path, task: str, source_name: str) -> dict[str, object]:
     """The `transformers` flavor block of MLmodel, as `build_flavor_config_from_local_checkpoint`
     would write it, with `model_binary` pointing into the directory itself."""
+    inference_task = task if task == CHAT else None
+    task = "text-generation" if task == CHAT else task
     binary = model_binary(model_dir)
     config = json.loads((model_dir / binary / "config.json").read_text())
     tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
@@ -86,11 +92,24 @@ def flavor_config(model_dir: Path, task: str, source_name: str) -> dict[str, obj
         "transformers_version": _version("transformers")}
     if dtype:
         conf["torch_dtype"] = f"torch.{dtype}"
+    if inference_task:
+        conf["inference_task"] = inference_task
     return conf
 
 
-def mlmodel(model_dir: Path, task: str, info: Mapping[str, object]) -> dict[str, object]:
+def signature(task: str) -> dict[str, str | None]:
+    if task == CHAT:
+        return {"inputs": json.dumps(chat_signature.INPUTS),
+                "outputs": json.dumps(chat_signature.OUTPUTS), "params": None}
     _, outputs, params = TASKS[task]
+    return {"inputs": json.dumps(_STRING), "outputs": json.dumps(outputs),
+            "params": json.dumps(params) if params else None}
+
+
+def mlmodel(model_dir: Path, task: str, info: Mapping[str, object]) -> dict[str, object]:
+    metadata: dict[str, object] = {"alignloop": dict(info)}
+    if task == CHAT:
+        metadata["task"] = CHAT                 # as MLflow's save_model marks a chat model
     return {
         "flavors": {
             "python_function": {"env": {"conda": "conda.yaml", "virtualenv": "python_env.yaml"},
@@ -98,10 +117,9 @@ def mlmodel(model_dir: Path, task: str, info: Mapping[str, object]) -> dict[str,
                                 "python_version": platform.python_version()},
             "transformers": flavor_config(model_dir, task, str(info.get("model_path", "."))),
         },
-        "metadata": {"alignloop": dict(info)},
+        "metadata": metadata,
         "mlflow_version": _version("mlflow"),
-        "signature": {"inputs": json.dumps(_STRING), "outputs": json.dumps(outputs),
-                      "params": json.dumps(params) if params else None},
+        "signature": signature(task),
     }
 
 
@@ -112,10 +130,10 @@ def _dump(path: Path, obj: object) -> None:
 def write_mlflow_model(model_dir: Path, task: str, info: Mapping[str, object]) -> None:
     """Make `model_dir` (a save_pretrained directory with its tokenizer at the root, or an
     ensemble's member_<i> dirs) a valid MLflow transformers model for `task`
-    ("text-generation" | "text-classification"); `info` (plain, deterministic values; key
+    ("text-generation" | "text-classification" | "llm/v1/chat"); `info` (plain, deterministic values; key
     `model_path` names the directory in the workspace) is kept as MLmodel metadata."""
-    if task not in TASKS:
-        raise ValueError(f"task {task!r}: expected one of {sorted(TASKS)}")
+    if task not in (*TASKS, CHAT):
+        raise ValueError(f"task {task!r}: expected one of {sorted((*TASKS, CHAT))}")
     model_dir = Path(model_dir)
     tok_dir = model_dir / COMPONENTS_DIR / "tokenizer"
     tok_dir.mkdir(parents=True, exist_ok=True)

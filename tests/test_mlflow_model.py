@@ -69,13 +69,24 @@ def test_champion_policy_loads_and_generates_from_its_own_weights(registry):
     assert list(got[0]["generated_token_ids"]) == ref[0].tolist()
 
     pyfunc = mlflow.pyfunc.load_model(f"models:/alignloop-policy/{mv.version}")
-    pred = pyfunc.predict(["Write a short movie review of Heat (1995)."],
-                          params={"max_new_tokens": 6})
-    assert len(pred) == 1 and isinstance(pred[0], str)
+    pred = pyfunc.predict({"messages": CHAT, "max_tokens": 8})     # generation_config: greedy
+    [choice] = (pred[0] if isinstance(pred, list) else pred)["choices"]
+    assert choice["message"]["role"] == "assistant"
+    # the reply, not the prompt echoed: greedy decoding of the chat-templated prompt
+    assert choice["message"]["content"].strip() == tok.decode(
+        ref[0][ids.shape[1]:], skip_special_tokens=True, clean_up_tokenization_spaces=True).strip()
     after = _digest(model_dir)                  # a models:/ load writes one note, no more
     assert {k: v for k, v in after.items() if k != META} == before
     assert yaml.safe_load((model_dir / META).read_text()) == {
         "model_name": "alignloop-policy", "model_version": str(mv.version)}
+
+
+def test_the_policy_signature_is_mlflows_chat_signature():
+    """The chat signature a stage writes without importing MLflow is MLflow's own."""
+    from mlflow.types.llm import CHAT_MODEL_INPUT_SCHEMA, CHAT_MODEL_OUTPUT_SCHEMA
+    sig = mlflow_model.signature(mlflow_model.CHAT)
+    assert json.loads(sig["inputs"]) == CHAT_MODEL_INPUT_SCHEMA.to_dict()
+    assert json.loads(sig["outputs"]) == CHAT_MODEL_OUTPUT_SCHEMA.to_dict()
 
 
 def test_reward_model_loads_as_text_classification(registry):
@@ -156,7 +167,7 @@ def test_rewriting_gives_identical_bytes(registry, tmp_path):
         (copy / f).unlink()
     shutil.rmtree(copy / mlflow_model.COMPONENTS_DIR)
     metrics = json.loads((ws / layout.metrics(it, "update")).read_text())
-    mlflow_model.write_mlflow_model(copy, "text-generation", {"model_path": layout.policy(it)})
+    mlflow_model.write_mlflow_model(copy, mlflow_model.CHAT, {"model_path": layout.policy(it)})
     model_card.write_model_card(copy, ws, "update", it, load_params(ws / layout.PARAMS_FILE),
                                 metrics)
     assert _digest(copy) == _digest(src)
@@ -190,3 +201,54 @@ def test_dvc_sees_no_change_after_a_models_uri_load(tiny_run, tmp_path):
     out = subprocess.run([sys.executable, "-m", "dvc", "status", "--quiet"], cwd=ws,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
+
+
+def test_alignloop_serve_answers_a_chat_request_over_http(tiny_run, tmp_path):
+    """`alignloop serve` (MLflow's scoring server on the champion, the workspace's store, PATH
+    without this interpreter's bin directory): a `messages` request gets the assistant's reply
+    as a chat completion, not the prompt echoed; a mistyped alias is one line."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from conftest import ROOT, copy_workspace, run_cli
+    ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")
+    bad = run_cli("serve", "models:/alignloop-policy@prod", "--workspace", str(ws), check=False)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: models:/alignloop-policy@prod: "
+                                                         "alignloop-policy has no alias prod")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--workspace", str(ws),
+                               "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            try:
+                if urllib.request.urlopen(f"{url}/ping", timeout=5).status == 200:
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the scoring server did not come up"
+                time.sleep(1)
+        body = json.dumps({"messages": CHAT, "max_tokens": 8}).encode()
+        req = urllib.request.Request(f"{url}/invocations", data=body,
+                                     headers={"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
+    out = reply["predictions"] if "predictions" in reply else reply
+    completion = out[0] if isinstance(out, list) else out
+    assert completion["object"] == "chat.completion"
+    [choice] = completion["choices"]
+    assert choice["message"]["role"] == "assistant"
+    content = choice["message"]["content"]
+    assert isinstance(content, str) and CHAT[0]["content"] not in content
+    assert completion["usage"]["completion_tokens"] <= 8

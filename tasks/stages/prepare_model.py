@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     with atomic.directory(out) as tmp:
         info = prepare(args.params.model, args.params.seed, tmp, args.root)
         atomic.write_json(tmp / layout.MODEL_META, {"iteration": 0, "role": "policy", **info})
-        mlflow_model.write_mlflow_model(tmp, "text-generation", {"model_path": layout.policy(0)})
+        mlflow_model.write_mlflow_model(tmp, mlflow_model.CHAT, {"model_path": layout.policy(0)})
         model_card.write_model_card(tmp, args.root, "prepare_model", 0, args.params, {})
     print(f"prepare_model: {info['source']} model at {layout.policy(0)} "
           f"({time.perf_counter() - t0:.1f} s)")
