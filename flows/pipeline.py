@@ -20,7 +20,8 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from flows import crashpoints, dag, heartbeats, registry, relocate, signals, targets, tracking
+from flows import (crashpoints, dag, heartbeats, registry, registry_record, relocate, signals,
+                   targets, tracking)
 from flows.workspace import Workspace, git, git_bytes
 from tasks import layout
 from tasks.judges import PAIRWISE_KINDS
@@ -34,9 +35,10 @@ REPORT_MLFLOW_PATH = "report"                # artifact folder in the last itera
 heartbeats.install()        # every process that runs the flow: it ends without a 0-1 s wait
 
 
-def say(msg: str) -> None:
-    """Progress line for the terminal (and the Prefect log)."""
-    print(msg, flush=True)
+def say(msg: str, terminal: bool = True) -> None:
+    """Progress line for the terminal (unless `terminal` is False) and the Prefect log."""
+    if terminal:
+        print(msg, flush=True)
     try:
         get_run_logger().info(msg)
     except Exception:   # outside a run context (tests calling helpers directly)
@@ -133,6 +135,12 @@ def record_iteration(root: str, iteration: int, runs: list[dag.StageRun],
     and the champion on the latest iteration that passed its gate."""
     path = Path(root)
     signals.check()
+    assessed = None
+    if last and iteration > 0:          # the targets' decision goes into the iteration's commit
+        loop = [s.name for s in dag.ordered_stages(path) if s.base not in layout.FINAL_STAGES]
+        assessed = targets.assess(path, loop)
+        if assessed is not None:
+            targets.write(path, assessed)
     sha = commit_iteration(path, iteration, runs, last)
     crashpoints.reach("git_commit", iteration)
     lock = dag.read_lock(path)
@@ -145,6 +153,11 @@ def record_iteration(root: str, iteration: int, runs: list[dag.StageRun],
     if run_id is None:
         run_id = tracking.log_iteration(path, iteration, runs, lock, sha, flow_run_id)
     summary["mlflow_run_id"] = run_id
+    if assessed is not None:
+        for line in targets.lines(assessed):
+            say(line, terminal=False)          # `alignloop run` prints them when it ends
+        if summary["recorded"] == "now":
+            tracking.log_targets(run_id, assessed)
     summary["pushed"] = registry.MlflowClient().get_run(run_id).data.tags.get(
         f"{tracking.TAG}pushed")                     # set once its data reached the remote
     if iteration > 0:
@@ -154,6 +167,7 @@ def record_iteration(root: str, iteration: int, runs: list[dag.StageRun],
                   "reference": p.update.reference, "workspace": str(path)}
         summary.update(registry.register_iteration(path, iteration, lock, run_id, common))
         summary["gate"] = apply_gate(path, iteration, summary["policy_version"])
+        registry_record.sync(path, f"alignloop: registry record, iteration {iteration}")
     return summary
 
 

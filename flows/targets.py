@@ -1,5 +1,7 @@
 """The efficacy bar (`targets:` in params) checked against the last iteration's evaluation and
-the loop's wall time: what `alignloop run` prints at the end, met or missed, with the numbers.
+the loop's wall time, met or missed, with the numbers: written to `metrics/targets.json` (in
+the last iteration's commit), logged to its MLflow run and the Prefect flow run's log, and
+printed by `alignloop run` at the end.
 
 The wall time is what each loop stage took when it computed the outputs dvc.lock now holds,
 recorded in `.alignloop/stage_seconds.json` beside the lock entry it produced. So a run resumed
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +130,37 @@ def check(m: Mapping[str, float], p: TargetParams, minutes: Mapping[str, float] 
         out.append(Check("iteration minutes (longest iteration)", longest,
                          f"<= {p.max_minutes}", longest <= p.max_minutes))
     return out
+
+
+def assess(root: Path, stages: Sequence[str]) -> dict[str, Any] | None:
+    """The last iteration's metrics against the workspace's targets, and each iteration's
+    minutes from the recorded times of the loop stages among `stages`; None before any
+    iteration has metrics."""
+    from flows.dag import read_lock
+    from flows.workspace import Workspace
+    from tasks.report import collect_report
+    report = collect_report(root)
+    last = max((k for k in report if k != "0"), key=int, default=None)
+    if last is None:
+        return None
+    loop = [n for n in stages if n.split("@")[0] not in SETUP_STAGES]
+    timed, untimed = recorded_seconds(root, loop, read_lock(root))
+    minutes = iteration_minutes(timed) if loop and not untimed else None
+    checks = check(report[last], Workspace(root).params().targets, minutes)
+    return {"iteration": int(last), "met": sum(c.met for c in checks), "of": len(checks),
+            "checks": [asdict(c) for c in checks], "minutes": minutes or {},
+            "untimed": untimed}
+
+
+def lines(result: Mapping[str, Any]) -> list[str]:
+    """The block `alignloop run` prints and the Prefect log holds."""
+    out = [f"targets (iteration {result['iteration']}): {result['met']} of {result['of']} met"]
+    out += [Check(**c).line() for c in result["checks"]]
+    if result["untimed"]:
+        out.append(f"  [untimed] iteration minutes: no recorded time for "
+                   f"{', '.join(result['untimed'])} (outputs restored, not computed here)")
+    return out
+
+
+def write(root: Path, result: Mapping[str, Any]) -> None:
+    atomic.write_json(Path(root) / layout.TARGETS, dict(result))

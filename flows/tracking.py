@@ -182,8 +182,34 @@ def _log_stage_run(client: MlflowClient, exp_id: str, root: Path, parent: str,
     client.log_batch(child, params=[Param(k, v[:6000]) for k, v in params.items()],
                      metrics=[Metric(k, v, _ms(now), iteration) for k, v in metrics.items()])
     client.log_inputs(child, datasets=_datasets(root, entry, remote))
+    log_curves(client, child, root, entry, _ms(start))
     client.set_terminated(child, end_time=_ms(start + r.seconds))
     return child, metrics
+
+
+def log_curves(client: MlflowClient, run_id: str, root: Path, entry: dict[str, Any],
+               start_ms: int) -> int:
+    """The per-step training curves a stage's model directories hold (training_curve.json:
+    one record per optimiser step) as `train/<key>` metrics at step = the step's index (an
+    ensemble's members as `train/member_<i>/<key>`), so MLflow draws loss, reward margin,
+    log-ratio and learning rate against steps. Returns the points logged."""
+    points: list[Metric] = []
+    for out in entry_io(entry, "outs"):
+        path = root / out / layout.TRAINING_CURVE
+        if not path.is_file():
+            continue
+        records = json.loads(path.read_text())
+        several = len({r.get("member") for r in records}) > 1
+        steps: dict[float, int] = {}
+        for record in records:
+            member = record.get("member")
+            prefix = f"train/member_{int(member)}/" if several else "train/"
+            step = steps[member] = steps.get(member, -1) + 1
+            points += [Metric(prefix + k, float(v), start_ms, step) for k, v in record.items()
+                       if k != "member"]
+    for i in range(0, len(points), 1000):             # MLflow's log_batch limit
+        client.log_batch(run_id, metrics=points[i:i + 1000])
+    return len(points)
 
 
 def log_final_stages(root: Path, parent: str, iteration: int, runs: Sequence[StageRun],
@@ -221,6 +247,23 @@ def loop_run(client: MlflowClient, exp_id: str, root: Path) -> str:
                                "step = iteration (judge, gold and RM win rates, KL, length, "
                                "RM accuracy): open Model metrics for the curves."})
     return run.info.run_id
+
+
+def log_targets(run_id: str, result: dict[str, Any]) -> None:
+    """The targets' decision on the last iteration's run: `targets/met` and `targets/of` as
+    metrics, each check as `targets/<name>` (1 met, 0 missed), the block as targets.json."""
+    client = MlflowClient()
+    now, step = _ms(time.time()), int(result["iteration"])
+    checks = {f"targets/{_metric_name(c['name'])}": float(c["met"]) for c in result["checks"]}
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in
+                                      {"targets/met": result["met"], "targets/of": result["of"],
+                                       **checks}.items()])
+    client.log_dict(run_id, dict(result), "targets.json")
+
+
+def _metric_name(text: str) -> str:
+    """An MLflow metric name from a check's name (letters, digits, _ - . / and spaces only)."""
+    return "".join(ch if ch.isalnum() or ch in "_-./ " else "_" for ch in text).strip()
 
 
 def log_loop_point(client: MlflowClient, exp_id: str, root: Path, iteration: int,

@@ -80,8 +80,11 @@ def _batch_terms(policy: torch.nn.Module, pairs: Sequence[EncodedPair], idx: Ten
 
 def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[EncodedPair],
               p: DPOParams, pad_id: int, rng: torch.Generator,
-              weights: Tensor | None = None, group: Group = SINGLE) -> dict[str, float]:
-    """Optimise the policy in place on the pairs; returns `update/` metrics.
+              weights: Tensor | None = None, group: Group = SINGLE,
+              curve: list[dict[str, float]] | None = None) -> dict[str, float]:
+    """Optimise the policy in place on the pairs; returns `update/` metrics, and appends one
+    record per optimiser step to `curve` (loss, implicit-reward accuracy and margin, the mean
+    log-ratio log pi/pi_ref of the pair's responses, the chosen NLL, the learning rate).
 
     weights: (N,) per-pair loss weights (default 1); the batch loss is mean_i(w_i * l_i).
     Implicit rewards and their accuracy are measured on the quantities the loss sees (per-token
@@ -116,11 +119,16 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
                                          (torch.zeros(0, device=device),) * 3)
             group.sum_grads(policy.parameters())
             opt.step()
-            acc, margin, nll_mean = group.means([(r_c > r_r).float(), r_c - r_r, nll], len(batch))
+            acc, margin, nll_mean, logratio = group.means(
+                [(r_c > r_r).float(), r_c - r_r, nll, (r_c + r_r) / (2 * p.beta)], len(batch))
             accs.append(acc)
             margins.append(margin)
             nlls.append(nll_mean)
             losses.append(group.total(loss))
+            if curve is not None:
+                curve.append({"loss": losses[-1], "reward_accuracy": acc, "reward_margin": margin,
+                              "logratio": logratio, "chosen_nll": nll_mean,
+                              "lr": opt.param_groups[0]["lr"]})
             pg.step(1, work=len(batch))
     pg.close()
     policy.eval()

@@ -223,9 +223,11 @@ def _global_stats(group: Group, local: dict[str, Tensor], n_local: float,
 def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
               rollouts: Sequence[Rollout], scores: Tensor, p: PPOParams, pad_id: int,
               rng: torch.Generator, it: int = 0, reused: Sequence[Rollout] = (),
-              reused_scores: Tensor | None = None, group: Group = SINGLE) -> dict[str, float]:
+              reused_scores: Tensor | None = None, group: Group = SINGLE,
+              curve: list[dict[str, float]] | None = None) -> dict[str, float]:
     """Optimise policy and value head in place on this iteration's rollouts (plus reused ones
-    from earlier iterations, scores (B,) normalised like `scores`); returns `update/` metrics.
+    from earlier iterations, scores (B,) normalised like `scores`); returns `update/` metrics,
+    and appends each minibatch step's statistics (with the learning rate) to `curve`.
     On several ranks (`group`) every rank draws the same minibatches, takes its shard of each
     and the gradients are summed (tasks/distributed.py): the one-process steps."""
     t0 = time.perf_counter()
@@ -252,6 +254,8 @@ def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
             group.sum_grads([*policy.parameters(), *head.parameters()])
             opt.step()
             stats.append(st)
+            if curve is not None:
+                curve.append({**st, "lr": opt.param_groups[0]["lr"]})
         pg.step(1)
         if stopped:
             break

@@ -292,8 +292,10 @@ def ensemble_agreement(margins: Tensor) -> dict[str, float]:
 
 def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPair],
                  p: TrainRMParams, pad_id: int, rng: torch.Generator,
-                 group: Group = SINGLE) -> dict[str, float]:
-    """Fit the (margin) Bradley-Terry loss in place; `rng` orders the data. Returns loss stats.
+                 group: Group = SINGLE, curve: list[dict[str, float]] | None = None
+                 ) -> dict[str, float]:
+    """Fit the (margin) Bradley-Terry loss in place; `rng` orders the data. Returns loss stats
+    and appends each step's loss and learning rate to `curve`.
     On several ranks (`group`) each takes its shard of every batch and the gradients are
     summed (tasks/distributed.py): the same steps as one process."""
     t0 = time.perf_counter()
@@ -318,6 +320,8 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
             group.sum_grads(model.parameters())
             opt.step()
             losses.append(group.total(loss))
+            if curve is not None:
+                curve.append({"loss": losses[-1], "lr": opt.param_groups[0]["lr"]})
             pg.step(1, work=len(batch))
     pg.close()
     model.eval()

@@ -6,6 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import run_cli
@@ -142,3 +143,68 @@ def test_policies_registered_with_lineage_tags(tiny_run):
     assert len(runs) == 1
     parent = runs[0].data.tags["mlflow.parentRunId"]
     assert client.get_run(parent).data.tags["alignloop.iteration"] == "2"
+
+
+def test_the_targets_decision_is_committed_and_logged(tiny_run):
+    """What `run` printed as its targets block is in metrics/targets.json (in the last
+    iteration's commit), on that iteration's MLflow run and in the Prefect flow run's log."""
+    from mlflow.tracking import MlflowClient
+    ws = tiny_run["ws"]
+    result = json.loads((ws / layout.TARGETS).read_text())
+    assert result["iteration"] == 2 and result["of"] == len(result["checks"]) > 5
+    assert result["met"] == sum(c["met"] for c in result["checks"])
+    printed = tiny_run["first"].stdout
+    assert f"targets (iteration 2): {result['met']} of {result['of']} met" in printed
+    for c in result["checks"]:
+        assert f"[{'met' if c['met'] else 'MISSED'}] {c['name']} = {c['value']:.3f}" in printed
+    tag = subprocess.run(["git", "show", f"iteration-2:{layout.TARGETS}"], cwd=ws,
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(tag) == result
+    client = MlflowClient(tracking_uri=f"sqlite:///{ws / '.alignloop' / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("alignloop").experiment_id],
+                               filter_string="tags.`alignloop.iteration` = '2' and "
+                                             "attributes.run_name = 'iteration 2'")
+    assert run.data.metrics["targets/met"] == result["met"]
+    assert run.data.metrics["targets/of"] == result["of"]
+    logged = client.download_artifacts(run.info.run_id, "targets.json")
+    assert json.loads(Path(logged).read_text()) == result
+
+
+def test_training_curves_are_logged_per_step(tiny_run):
+    """Each update and reward-model stage run carries its optimiser steps as curves: one
+    point per step, at step = the step's index, as its model directory's curve holds them."""
+    from mlflow.tracking import MlflowClient
+    ws = tiny_run["ws"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{ws / '.alignloop' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("alignloop").experiment_id
+    for stage, model_dir, keys in (
+            ("update@2", layout.policy(2), ("loss", "reward_margin", "logratio", "lr")),
+            ("train_rm@2", layout.reward_model(2), ("loss", "lr"))):
+        curve = json.loads((ws / model_dir / layout.TRAINING_CURVE).read_text())
+        assert len(curve) > 1
+        [run] = client.search_runs([exp], filter_string=f"tags.`alignloop.dvc_stage` = "
+                                                        f"'{stage}'", max_results=1)
+        for key in keys:
+            history = client.get_metric_history(run.info.run_id, f"train/{key}")
+            assert [m.step for m in history] == list(range(len(curve))), (stage, key)
+            assert [m.value for m in history] == pytest.approx([r[key] for r in curve])
+
+
+def test_the_registry_record_in_git_matches_the_store(tiny_run):
+    """registry/versions.json, committed, holds every registered version's tags and aliases
+    as the MLflow store does (no absolute path of the workspace in it)."""
+    from mlflow.tracking import MlflowClient
+
+    from flows import registry_record
+    ws = tiny_run["ws"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{ws / '.alignloop' / 'mlflow.db'}")
+    text = (ws / registry_record.RECORD).read_text()
+    assert json.loads(text) == registry_record.snapshot(client)
+    assert str(ws) not in text
+    committed = subprocess.run(["git", "show", f"HEAD:{registry_record.RECORD}"], cwd=ws,
+                               capture_output=True, text=True, check=True).stdout
+    assert committed == text
+    record = json.loads(text)["models"]
+    assert [v["version"] for v in record["alignloop-policy"]] == ["1", "2"]
+    assert record["alignloop-policy"][1]["aliases"] == ["champion"]
+    assert record["alignloop-policy"][1]["tags"]["gate"] == "passed"

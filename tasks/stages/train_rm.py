@@ -34,7 +34,8 @@ CONTRACT = stage.Contract(
 
 
 def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_id: int,
-                  it: int, group: Group = SINGLE, device: Device = "cpu"
+                  it: int, group: Group = SINGLE, device: Device = "cpu",
+                  curve: list[dict[str, float]] | None = None
                   ) -> tuple[list[transformers.PreTrainedModel], dict[str, float],
                              FrozenFeatures | None]:
     """K members, member i seeded by (seed, it, i); loss stats averaged over members. With
@@ -69,8 +70,12 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
                 generator=stage.generator(p.seed, 2, it, i, 2))]
             run.update(fit_probe_head(model, data, rp, pad_id, cache=cache))
         if rp.epochs > 0:
+            steps: list[dict[str, float]] = []
             run.update(train_reward(model, train, rp, pad_id,
-                                    stage.generator(p.seed, 2, it, i, 1), group))   # data order
+                                    stage.generator(p.seed, 2, it, i, 1), group,   # data order
+                                    steps))
+            if curve is not None:
+                curve.extend({"member": float(i), **st} for st in steps)
             cache = None                        # the backbone moved: its features are stale
         runs.append(run)
         members.append(model)
@@ -106,8 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     train, held = heldout_split(pairs, p.train_rm.heldout_fraction)
     enc = lambda ps: encode_pairs(tok, ps, p.model.max_prompt_tokens, p.train_rm.max_length)  # noqa: E731
     enc_train, enc_held = enc(train), enc(held)
+    curve: list[dict[str, float]] = []
     members, metrics, cache = train_members(backbone, enc_train, p, tok.pad_token_id, it, group,
-                                            args.device)
+                                            args.device, curve)
     if not group.main:                          # ranks > 0 write nothing
         distributed.close(group)
         return
@@ -133,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                          "precision": lm.effective_precision(p.train_rm.precision, args.device)})
         atomic.write_json(tmp / layout.MODEL_META, {"iteration": it, "role": "reward_model",
                                                     "pairs": len(pairs), "ensemble": len(members)})
+        if curve:                               # the fine-tuning steps (the probe has none)
+            atomic.write_json(tmp / layout.TRAINING_CURVE, curve)
         mlflow_model.write_mlflow_model(tmp, "text-classification",
                                         {"model_path": layout.reward_model(it)})
         model_card.write_model_card(tmp, root, "train_rm", it, p, metrics)

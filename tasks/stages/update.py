@@ -58,6 +58,7 @@ class UpdateResult:
     reuses; DPO: none), each written into the policy directory before it is committed."""
     metrics: dict[str, float]
     extra_files: tuple[Writer, ...] = ()
+    curve: tuple[dict[str, float], ...] = ()    # per optimiser step (training_curve.json)
 
 
 def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
@@ -86,12 +87,14 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
         offpolicy = encode([pool[i] for i in pick])
     weights = torch.tensor([1.0] * len(onpolicy) + [d.offpolicy_weight] * len(offpolicy),
                            device=device_of(policy))
-    metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, d, pad, rng, weights, group))
+    curve: list[dict[str, float]] = []
+    metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, d, pad, rng, weights, group,
+                             curve))
     metrics.update({"update/bf16": float(lm.effective_precision(d.precision, device_of(policy)) == "bf16"),
                     "update/n_onpolicy_pairs": float(len(onpolicy)),
                     "update/n_offpolicy_pairs": float(len(offpolicy)),
                     "update/offpolicy_weight": d.offpolicy_weight})
-    return UpdateResult(metrics)
+    return UpdateResult(metrics, curve=tuple(curve))
 
 
 def _scores(rm: torch.nn.Module, stats: dict[str, float], rollouts: list[Rollout],
@@ -134,13 +137,14 @@ def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
         return group.share(_scores(rm, stats, rs, pad) if group.main else None, len(rs), 0,
                            device)
 
+    curve: list[dict[str, float]] = []
     metrics = train_ppo(policy, head, ref, rollouts, scored(rollouts), q, pad, rng, it, reused,
-                        scored(reused), group)
+                        scored(reused), group, curve)
     metrics["update/value_head_reused"] = float(loaded)
     writers: list[Writer] = [lambda d: value_head.save(head, d)]
     if q.reuse.iterations_back >= 1:          # keep this iteration's rollouts for update@{it+1}
         writers.append(lambda d: jsonl.write(d / REPLAY_FILE, [r.to_record() for r in rollouts]))
-    return UpdateResult(metrics, tuple(writers))
+    return UpdateResult(metrics, tuple(writers), tuple(curve))
 
 
 ALGORITHMS: dict[str, Callable[..., UpdateResult]] = {"dpo": run_dpo, "ppo": run_ppo}
@@ -155,10 +159,12 @@ def write_policy(policy: torch.nn.Module, tok: object, p: Params, root: Path, it
         tok.save_pretrained(tmp)  # type: ignore[attr-defined]
         for write in result.extra_files:      # e.g. PPO's value head
             write(tmp)
+        if result.curve:
+            atomic.write_json(tmp / layout.TRAINING_CURVE, list(result.curve))
         atomic.write_json(tmp / layout.MODEL_META, {
             "iteration": it, "role": "policy", "algo": p.update.algo,
             "parent": layout.policy(it - 1), "reference": reference_dir(p, it)})
-        mlflow_model.write_mlflow_model(tmp, "text-generation", {"model_path": layout.policy(it)})
+        mlflow_model.write_mlflow_model(tmp, mlflow_model.CHAT, {"model_path": layout.policy(it)})
         model_card.write_model_card(tmp, root, "update", it, p, metrics)
     stage.write_metrics(root, layout.metrics(it, "update"), metrics)
 
