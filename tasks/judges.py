@@ -104,24 +104,33 @@ class LexiconJudge:
 _STOPWORDS = frozenset("a an and at by for from in into is it of on or the to with".split())
 
 
-def title_words(prompt: Prompt) -> frozenset[str]:
+def title_words(prompt: Prompt, year: bool = True) -> frozenset[str]:
     """The subject's words in the last user message: capitalised words and numbers after the
     message's first word ("Write a short review of Dr. Strangelove (1964)." -> dr, strangelove,
-    1964), lower-cased, punctuation stripped, stopwords dropped."""
+    1964), lower-cased, punctuation stripped, stopwords dropped; without `year`, not the
+    parenthesised year."""
     user = [m for m in prompt if m.role == "user"]
     words = user[-1].content.split()[1:] if user else []
     out = set()
     for w in words:
+        if not year and w.startswith("(") and w.strip("().,;:!?").isdigit():
+            continue
         w = w.strip(".,;:!?()\"'")
         if w and (w[0].isupper() or w.isdigit()) and w.lower() not in _STOPWORDS:
             out.add(w.lower())
     return frozenset(out)
 
 
-def mentions(prompt: Prompt, response: str) -> bool:
-    """The response names the subject: it contains one of its title words as a word."""
+def mentions(prompt: Prompt, response: str, match: str = "any") -> bool:
+    """The response names the subject. `any`: it contains one of its title words as a word (the
+    year counts: "A classic from 1964!"); `all`: every title word but the year ("Dr.
+    Strangelove" for Dr. Strangelove (1964)), so that one common word of a title ("baby",
+    "space") or its year does not pass for the film."""
     said = {w.strip(".,;:!?()\"'*").lower() for w in response.split()}
-    return bool(title_words(prompt) & said)
+    if match == "any":
+        return bool(title_words(prompt) & said)
+    named = title_words(prompt, year=False)
+    return bool(named) and named <= said
 
 
 @dataclass(frozen=True)
@@ -132,12 +141,13 @@ class TopicLexiconJudge(LexiconJudge):
     notes about nothing)."""
     off_topic_penalty: float = 1.0
     kind: str = "lexicon_topic"
+    title_match: str = "any"
 
     def _scored(self, prompt: Prompt, text: str) -> float | None:
         s = self._one(text)
         if s is None:
             return None
-        return s if mentions(prompt, text) else s - self.off_topic_penalty
+        return s if mentions(prompt, text, self.title_match) else s - self.off_topic_penalty
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float | None]:
         return [self._scored(p, r) for p, r in zip(prompts, responses)]
@@ -204,9 +214,11 @@ def verdict_from_scores(a: float | None, b: float | None, tie_margin: float) -> 
 JUDGES: dict[str, Callable[[JudgeParams], PointwiseJudge]] = {
     "lexicon": lambda p: LexiconJudge(p.tie_margin, p.min_words, p.version),
     "lexicon_topic": lambda p: TopicLexiconJudge(p.tie_margin, p.min_words, p.version,
-                                                 off_topic_penalty=p.off_topic_penalty),
+                                                 off_topic_penalty=p.off_topic_penalty,
+                                                 title_match=p.title_match),
     "lexicon_review": lambda p: ReviewLexiconJudge(p.tie_margin, p.min_words, p.version,
                                                    off_topic_penalty=p.off_topic_penalty,
+                                                   title_match=p.title_match,
                                                    register_penalty=p.register_penalty),
 }
 
@@ -218,7 +230,7 @@ PAIRWISE_KINDS = ("llm", "http")
 # that only asks the judge for verdicts reads (evaluate). How the judge stage turns verdicts into
 # pairs (pairs_per_prompt, pool_pairs, pool_margin, comparisons_per_prompt) and its workers are
 # not among them: changing those reruns the judge stage, not evaluate.
-BUILD_KEYS = ("kind", "version", "tie_margin", "min_words", "off_topic_penalty",
+BUILD_KEYS = ("kind", "version", "tie_margin", "min_words", "off_topic_penalty", "title_match",
               "register_penalty", "template", "model", "max_length", "decoding",
               "max_new_tokens", "max_concurrency", "timeout_s", "max_retries", "backoff_s")
 

@@ -249,6 +249,27 @@ def test_title_words_and_mentions() -> None:
     assert mentions(prompt, "A classic from 1964!")
     assert not mentions(prompt, "Thank you so much for the lovely question!")
     assert not mentions(prompt, "strangeloves are everywhere")     # whole words only
+    # all: every title word but the year
+    assert mentions(prompt, "Dr. Strangelove is a sharp satire.", "all")
+    assert not mentions(prompt, "Strangelove is a sharp satire.", "all")
+    assert not mentions(prompt, "A classic from 1964!", "all")
+    baby = (Message("user", "Write a short review of Bringing Up Baby (1938)."),)
+    assert mentions(baby, "What a baby!") and not mentions(baby, "What a baby!", "all")
+    assert mentions(baby, "Bringing Up Baby is a screwball delight.", "all")
+    year_only = (Message("user", "Write a short review of 1917 (2019)."),)
+    assert mentions(year_only, "1917 grips from its first shot.", "all")    # all digits: all
+
+
+def test_the_judge_builds_with_its_title_match() -> None:
+    from tasks.judges import make_judge
+    from tasks.params import JudgeParams
+    from tasks.records import Message
+    prompt = (Message("user", "Write a short review of Bringing Up Baby (1938)."),)
+    text = "A wonderful baby, a wonderful film."
+    loose = make_judge(JudgeParams(kind="lexicon_review", title_match="any"))
+    strict = make_judge(JudgeParams(kind="lexicon_review", title_match="all"))
+    [a], [b] = loose.score([prompt], [text]), strict.score([prompt], [text])
+    assert a == pytest.approx(b + 1.0)                      # off_topic_penalty under `all` only
 
 
 def test_topic_judge_penalises_responses_that_do_not_name_the_subject() -> None:

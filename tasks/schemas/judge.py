@@ -22,8 +22,11 @@ class JudgeParams:
     tie_margin: float = 0.05        # score gaps (|score_a - score_b|) below this are ties, not
                                     #   preferences
     min_words: int = 1              # responses with fewer words are judged invalid
-    off_topic_penalty: float = 1.0  # lexicon_topic: subtracted when the response names no title
-                                    #   word
+    off_topic_penalty: float = 1.0  # lexicon_topic: subtracted when the response does not name
+                                    #   the subject (title_match)
+    title_match: Literal["any", "all"] = "any"  # lexicon_topic / lexicon_review: a response
+                                    #   names the subject with any one title word (the year
+                                    #   counts) | all of them but the year
     register_penalty: float = 1.0   # lexicon_review: subtracted when the response reads as
                                     #   correspondence
     pairs_per_prompt: int = 1       # pairs per prompt: i-th best vs i-th worst of the K samples,
