@@ -138,7 +138,10 @@ def record_iteration(root: str, iteration: int, runs: list[dag.StageRun],
     assessed = None
     if last and iteration > 0:          # the targets' decision goes into the iteration's commit
         loop = [s.name for s in dag.ordered_stages(path) if s.base not in layout.FINAL_STAGES]
-        assessed = targets.assess(path, loop)
+        try:
+            assessed = targets.assess(path, loop)
+        except (OSError, ValueError) as e:        # never costs the iteration its record
+            warn(f"targets: not assessed ({type(e).__name__}: {e})")
         if assessed is not None:
             targets.write(path, assessed)
     sha = commit_iteration(path, iteration, runs, last)
@@ -254,6 +257,12 @@ def publish_report(root: str, last: Summary) -> dict[str, str]:
         warn(f"report: not logged to MLflow ({type(e).__name__}: {e})")
     try:
         markdown = report.render_markdown(path, html, done.get("mlflow_run_id"))
+        if last.get("policy_version"):
+            markdown += (f"\nIteration {last['iteration']} at workspace commit "
+                         f"`{str(last['git_commit'])[:10]}`: policy "
+                         f"`models:/{registry.POLICY_MODEL}/{last['policy_version']}` (gate "
+                         f"{last.get('gate')}), reward model `models:/{registry.REWARD_MODEL}/"
+                         f"{last['reward_model_version']}`.\n")
         artifact = create_markdown_artifact(markdown, key=REPORT_ARTIFACT_KEY,
                                             description=f"alignloop report: {path}")
         done["prefect_artifact"] = str(artifact)

@@ -35,11 +35,16 @@ def snapshot(client: MlflowClient) -> dict[str, Any]:
     models: dict[str, Any] = {}
     for name in (REWARD_MODEL, POLICY_MODEL):
         versions = []
-        for mv in client.search_model_versions(f"name = '{name}'"):
+        found = client.search_model_versions(f"name = '{name}'")
+        # search_model_versions leaves `aliases` empty: the registered model holds them
+        aliases = client.get_registered_model(name).aliases if found else {}
+        for mv in found:
             tags = {k: v for k, v in sorted(mv.tags.items()) if k not in LOCAL_TAGS}
             versions.append({"version": str(mv.version), "run_id": mv.run_id,
                              "model_path": tags.get("model_path", ""),
-                             "aliases": sorted(mv.aliases or []), "tags": tags})
+                             "aliases": sorted(a for a, v in aliases.items()
+                                               if str(v) == str(mv.version)),
+                             "tags": tags})
         if versions:
             models[name] = sorted(versions, key=lambda v: int(v["version"]))
     return {"models": models}

@@ -138,16 +138,22 @@ def assess(root: Path, stages: Sequence[str]) -> dict[str, Any] | None:
     iteration has metrics."""
     from flows.dag import read_lock
     from flows.workspace import Workspace
-    from tasks.report import collect_report
-    report = collect_report(root)
-    last = max((k for k in report if k != "0"), key=int, default=None)
-    if last is None:
+    from tasks.report import with_intervals
+    evaluated = [int(d.name[5:]) for d in (root / layout.METRICS_DIR).glob("iter_*")
+                 if d.name[5:].isdigit() and (d / "evaluate.json").is_file()]
+    if not evaluated:
         return None
+    last = max(evaluated)
+    metrics: dict[str, Any] = {}
+    for stage in ("train_rm", "evaluate"):        # what the targets read, nothing else
+        path = root / layout.metrics(last, stage)
+        if path.is_file():
+            metrics.update(json.loads(path.read_text()))
     loop = [n for n in stages if n.split("@")[0] not in SETUP_STAGES]
     timed, untimed = recorded_seconds(root, loop, read_lock(root))
     minutes = iteration_minutes(timed) if loop and not untimed else None
-    checks = check(report[last], Workspace(root).params().targets, minutes)
-    return {"iteration": int(last), "met": sum(c.met for c in checks), "of": len(checks),
+    checks = check(with_intervals(metrics), Workspace(root).params().targets, minutes)
+    return {"iteration": last, "met": sum(c.met for c in checks), "of": len(checks),
             "checks": [asdict(c) for c in checks], "minutes": minutes or {},
             "untimed": untimed}
 

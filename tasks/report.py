@@ -257,13 +257,41 @@ def _rows_with_suspects(root: Path) -> tuple[list[Row], list[int]]:
     return rows, suspects
 
 
+def what_was_aligned(p: Any) -> list[tuple[str, str]]:
+    """The page's header rows from the params (a `tasks.params.Params`): model, judge,
+    update algorithm, seed."""
+    m = p.model
+    model = (f"{m.gguf_package} (GGUF{': ' + m.gguf_file if m.gguf_file else ''})"
+             if m.source == "gguf" else m.path or m.source)
+    judge = f"{p.judge.kind}: {p.judge.model or p.judge.version}"
+    return [("model", model), ("judge", judge), ("update", p.update.algo), ("seed", str(p.seed))]
+
+
+def targets_table(root: Path) -> str:
+    """metrics/targets.json (the last iteration against the profile's targets) as a table."""
+    path = root / layout.TARGETS
+    if not path.is_file():
+        return "<p class=note>No targets checked yet.</p>"
+    t = _read_json(path)
+    rows = [["met" if c["met"] else "MISSED", c["name"], f"{c['value']:.3f}", c["bar"]]
+            for c in t.get("checks", [])]
+    return (f"<h2>Targets (iteration {t.get('iteration')}): {t.get('met')} of {t.get('of')} "
+            f"met</h2>" + _table(["", "check", "value", "bar"], rows,
+                                 ["" if r[0] == "met" else "suspect" for r in rows]))
+
+
 def render_html(root: Path, rows: Sequence[Row], suspects: Sequence[int],
-                plots: Mapping[str, bytes]) -> str:
+                plots: Mapping[str, bytes], p: Any = None) -> str:
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>alignloop report</title>"
              f"<style>{CSS}</style></head><body><h1>alignloop report</h1>",
              "<p class=note>Built by the <code>report</code> stage from the metrics and "
              "evaluation samples its dvc.lock entry names: the commit that holds that entry "
-             "holds these results.</p>"]
+             "holds these results (the registered versions: <code>registry/versions.json</code> "
+             "at that commit).</p>"]
+    if p is not None:
+        parts.append(_table(["", ""], [[k, v] for k, v in what_was_aligned(p)],
+                            text_cols=frozenset({1})))
+    parts.append(targets_table(root))
     if not rows:
         parts.append("<p>No evaluated iteration yet.</p></body></html>")
         return "\n".join(parts)
@@ -298,9 +326,9 @@ def render_html(root: Path, rows: Sequence[Row], suspects: Sequence[int],
     return "\n".join(parts)
 
 
-def build_report(workspace: Path, out_dir: Path) -> Path:
+def build_report(workspace: Path, out_dir: Path, p: Any = None) -> Path:
     """Write report.html and its PNG plots into `out_dir` (replaced as a whole, atomically);
-    returns the HTML's path."""
+    returns the HTML's path. `p`: the workspace's params, for the page's header."""
     from tasks.report_plots import render_plots    # matplotlib: only when a page is built
     root = Path(workspace)
     rows, suspects = _rows_with_suspects(root)
@@ -309,7 +337,7 @@ def build_report(workspace: Path, out_dir: Path) -> Path:
         for name in PLOT_ORDER:
             if name in plots:
                 (tmp / f"{name}.png").write_bytes(plots[name])
-        (tmp / HTML_NAME).write_text(render_html(root, rows, suspects, plots))
+        (tmp / HTML_NAME).write_text(render_html(root, rows, suspects, plots, p))
     return out_dir / HTML_NAME
 
 
@@ -330,6 +358,13 @@ def render_markdown(workspace: Path, html_path: Path, mlflow_run_id: str | None 
     if suspects:
         lines += ["", f"**Suspect (judge up, gold not): iteration "
                       f"{', '.join(map(str, suspects))}**"]
+    targets = Path(workspace) / layout.TARGETS
+    if targets.is_file():
+        t = _read_json(targets)
+        lines += ["", f"**Targets (iteration {t.get('iteration')}): {t.get('met')} of "
+                      f"{t.get('of')} met**", ""]
+        lines += [f"- [{'met' if c['met'] else 'MISSED'}] {_md_cell(c['name'])} = "
+                  f"{c['value']:.3f} ({c['bar']})" for c in t.get("checks", [])]
     lines += ["", f"Full report with plots and sample outputs: `{html_path}`"]
     if mlflow_run_id:
         lines.append(f"(also MLflow run `{mlflow_run_id}`, artifacts `report/`)")

@@ -251,6 +251,10 @@ def test_flow_builds_the_report_as_a_dvc_stage(tiny_run):
     metrics = json.loads((ws / layout.metrics(2, "evaluate")).read_text())
     assert f"{metrics['eval/win_rate']:.3f} [{metrics['eval/win_rate_ci_low']:.3f}" in page
     assert "Sample outputs (iteration 2" in page
+    targets = json.loads((ws / layout.TARGETS).read_text())     # what was aligned, and the bar
+    assert f"Targets (iteration 2): {targets['met']} of {targets['of']} met</h2>" in page
+    assert "<td>judge</td><td class=text>lexicon: vader-v1</td>" in page
+    assert "<td>update</td><td class=text>dpo</td>" in page
     for name in ("win_rates", "reward_vs_kl", "rm_accuracy", "length"):
         assert (html.parent / f"{name}.png").read_bytes().startswith(PNG_MAGIC), name
     # a DVC output on a commit of its own, after the last iteration's; the tree left clean

@@ -10,14 +10,15 @@ from __future__ import annotations
 from tasks import layout, report, stage
 
 CONTRACT = stage.Contract(
-    "report", params=(),
+    "report", params=("seed", "model", "judge.kind", "judge.version", "judge.model",
+                      "update.algo", "targets"),     # the page's header: what was aligned, how
     deps=lambda it, prev: (layout.METRICS_DIR, layout.DATA_DIR),
     outs=lambda it, prev: (layout.REPORT_DIR,))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "", CONTRACT)
-    page = report.build_report(args.root, args.root / layout.REPORT_DIR)
+    page = report.build_report(args.root, args.root / layout.REPORT_DIR, args.params)
     print(f"report: {page.relative_to(args.root)}")
 
 
