@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import time
 from dataclasses import asdict
 from itertools import groupby
 from pathlib import Path
@@ -22,11 +24,12 @@ from prefect.runtime import flow_run
 
 from flows import (crashpoints, dag, heartbeats, registry, registry_record, relocate, signals,
                    targets, tracking)
-from flows.workspace import Workspace, git, git_bytes
+from flows.workspace import STATE_DIR, Workspace, git, git_bytes
 from tasks import layout
 from tasks.judges import PAIRWISE_KINDS
 from tasks.pairwise import load_template
 from tasks.params import JudgeParams
+from tasks.stage import SUMMARY_FILE_ENV
 
 Summary = dict[str, Any]
 REPORT_ARTIFACT_KEY = "alignloop-report"     # the Prefect artifact (one version per run)
@@ -56,12 +59,32 @@ def warn(msg: str) -> None:
 
 
 @task(name="stage", task_run_name="{name}", cache_policy=NO_CACHE)
-def run_stage(root: str, name: str, force: bool = False) -> dag.StageRun:
-    say(f"[{'rerun' if force else 'run'}] {name} ...")
+def run_stage(root: str, name: str, force: bool = False, terminal_cached: bool = True
+              ) -> dag.StageRun:
+    """Bring one stage instance up to date. Its progress lines go to the terminal and the
+    Prefect log, its summary line (`tasks.stage.say`) to the Prefect log; a stage found up to
+    date goes to the terminal only with `terminal_cached` (the loop's stages: the flow says
+    one line per iteration found wholly up to date)."""
     run_id = flow_run.get_id()              # one open DVC repo per flow run: parsed once
     session = dag.session_for(Path(root), str(run_id)) if run_id else None
-    result = dag.reproduce(Path(root), name, force=force, session=session)
-    say(f"[{result.outcome}] {name} ({result.seconds:.1f} s)")
+    if session is not None and not force and session.up_to_date(name):
+        say(f"[cached] {name}", terminal=terminal_cached)
+        return dag.StageRun(name, "cached", 0.0, time.time())
+    say(f"[{'rerun' if force else 'run'}] {name} ...")
+    summary = Path(root) / STATE_DIR / "logs" / f"{name.replace('@', '-')}.summary"
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    summary.unlink(missing_ok=True)
+    os.environ[SUMMARY_FILE_ENV] = str(summary)    # the stage process appends its summary
+    try:
+        result = dag.reproduce(Path(root), name, force=force, session=session)
+    finally:
+        os.environ.pop(SUMMARY_FILE_ENV, None)
+    if summary.is_file():
+        for line in summary.read_text().splitlines():
+            say(line, terminal=False)              # the stage printed it itself
+        summary.unlink()
+    say(f"[{result.outcome}] {name} ({result.seconds:.1f} s)",
+        terminal=terminal_cached or result.outcome != "cached")
     if result.outcome == "ran":            # at once: a later failure must not lose the timing
         targets.record_seconds(Path(root), [result], dag.read_lock(Path(root)))
     return result
@@ -303,7 +326,10 @@ def alignloop(workspace: str, force: list[str] | None = None) -> list[Summary]:
         runs = []
         for s in group:
             signals.check()
-            runs.append(run_stage(workspace, s.name, force=s.name in forced))
+            runs.append(run_stage(workspace, s.name, force=s.name in forced,
+                                  terminal_cached=False))
+        if all(r.outcome == "cached" for r in runs):
+            say(f"[cached] iteration {iteration}: {len(runs)} stages up to date")
         summary = record_iteration(workspace, iteration, runs, last=iteration == final)
         if any(r.outcome != "cached" for r in runs) or not summary["pushed"]:
             crashpoints.reach("dvc_push", iteration)

@@ -130,8 +130,9 @@ def _dump(path: Path, obj: object) -> None:
 def write_mlflow_model(model_dir: Path, task: str, info: Mapping[str, object]) -> None:
     """Make `model_dir` (a save_pretrained directory with its tokenizer at the root, or an
     ensemble's member_<i> dirs) a valid MLflow transformers model for `task`
-    ("text-generation" | "text-classification" | "llm/v1/chat"); `info` (plain, deterministic values; key
-    `model_path` names the directory in the workspace) is kept as MLmodel metadata."""
+    ("text-generation" | "text-classification" | "llm/v1/chat"); `info` (plain, deterministic
+    values; key `model_path` names the directory in the workspace) is kept as MLmodel
+    metadata."""
     if task not in (*TASKS, CHAT):
         raise ValueError(f"task {task!r}: expected one of {sorted((*TASKS, CHAT))}")
     model_dir = Path(model_dir)

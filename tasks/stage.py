@@ -32,6 +32,7 @@ THREADS_ENV = "ALIGNLOOP_THREADS"   # a machine setting, not an experiment param
 CLI_PID_ENV = "ALIGNLOOP_CLI_PID"    # set by the CLI: a stage ends when that process is gone
 ERROR_FILE_ENV = "ALIGNLOOP_ERROR_FILE"  # set by the CLI: where a stage's one-line error goes
 LOG_FILE_ENV = "ALIGNLOOP_LOG_FILE"      # set by the CLI: where an unexpected traceback goes
+SUMMARY_FILE_ENV = "ALIGNLOOP_STAGE_SUMMARY"  # set by the flow: where a stage's summary goes
 
 
 Paths = Callable[[Any, Any], Sequence[str]]   # (iteration, its prev) -> workspace paths: ints,
@@ -175,6 +176,16 @@ def _fail(line: str, code: int) -> None:
     else:
         print(line, file=sys.stderr)
     raise SystemExit(code)
+
+
+def say(line: str) -> None:
+    """The stage's summary line: printed, and appended to the file the flow names (it goes on
+    to the Prefect flow run's log)."""
+    print(line, flush=True)
+    path = os.environ.get(SUMMARY_FILE_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
 
 
 def run_main(body: Callable[[], None]) -> None:

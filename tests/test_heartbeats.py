@@ -37,6 +37,18 @@ def _heartbeats(api_url: str, flow_run_id: str, timeout: float = 60.0) -> list[d
         time.sleep(1)
 
 
+def _messages(client: object, flow_run_id: object, timeout: float = 30.0) -> list[str]:
+    """The log messages of one flow run on the server (logs are sent in batches)."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = client.read_logs(log_filter=LogFilter(  # type: ignore[attr-defined]
+            flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        if any(m.message.startswith("targets") for m in logs) or time.monotonic() > deadline:
+            return [m.message for m in logs]
+        time.sleep(1)
+
+
 def test_a_run_sends_heartbeats_to_the_workspace_server_and_completes(ws: Path):  # noqa: F811
     """The user's path: `server start`, then `alignloop run` (a cached rerun of the tiny run):
     the flow run completes, and the server holds its heartbeat events."""
@@ -54,5 +66,16 @@ def test_a_run_sends_heartbeats_to_the_workspace_server_and_completes(ws: Path):
         events = _heartbeats(env["PREFECT_API_URL"], str(runs[0].id))
         assert events, "no heartbeat of the flow run reached the server"
         assert events[0]["resource"]["prefect.resource.name"] == runs[0].name
+        # what a run decides is in its Prefect log: each stage's summary line (the stage
+        # process printed it) and the targets block; up-to-date stages are named there only
+        out = run_cli("rerun", "gate@2", "--workspace", str(ws), env=env).stdout
+        assert "[cached] rollout@1" not in out
+        with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
+            rerun = max((r for r in client.read_flow_runs() if r.name.startswith("alignloop-")),
+                        key=lambda r: r.created)
+            messages = _messages(client, rerun.id)
+        gate_line = next(line for line in out.splitlines() if line.startswith("gate@2: "))
+        assert gate_line in messages and "[cached] rollout@1" in messages
+        assert any(m.startswith("targets (iteration 2): ") for m in messages)
     finally:
         run_cli("server", "stop", "--workspace", str(ws), env=env, check=False)

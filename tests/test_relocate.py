@@ -127,3 +127,67 @@ def test_a_copy_runs_loads_and_audits_on_its_own_with_the_original_unreadable(
 def _columns(con: sqlite3.Connection) -> list[tuple[str, str]]:
     from flows.relocate import _text_columns
     return _text_columns(con)
+
+
+@pytest.mark.slow
+def test_a_teams_mlflow_server_takes_the_stores_role(tmp_path: Path) -> None:
+    """`MLFLOW_TRACKING_URI` names a real `mlflow server` (SQLite behind it, artifacts through
+    its proxy): the run records there and not in the workspace, the champion is registered there
+    with the workspace-relative lineage, the report reaches the proxy, and `lineage --verify`
+    and `serve`'s alias check answer from the server."""
+    import socket
+    import time
+    import urllib.request
+
+    from conftest import TINY
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    team = tmp_path / "team"
+    team.mkdir()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+         f"sqlite:///{team / 'mlflow.db'}", "--artifacts-destination", str(team / "artifacts"),
+         "--serve-artifacts", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
+                                   f"{os.environ.get('PATH', '')}"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(f"{url}/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "no mlflow server"
+                time.sleep(1)
+        env = {"MLFLOW_TRACKING_URI": url}
+        ws = tmp_path / "ws"
+        run_cli("run", "--params", str(TINY), "--workspace", str(ws), env=env)
+        assert not (ws / ".alignloop" / "mlflow.db").exists()       # the team's store, not ours
+        code = f"""
+import json, mlflow
+c = mlflow.MlflowClient({url!r})
+mv = c.get_model_version_by_alias("alignloop-policy", "champion")
+run = c.get_run(mv.run_id)
+print(json.dumps({{"version": mv.version, "model_path": mv.tags["model_path"],
+                   "artifact_uri": run.info.artifact_uri,
+                   "report": [f.path for f in c.list_artifacts(mv.run_id, "report")]}}))
+"""
+        got = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                        text=True, check=True).stdout)
+        assert got["model_path"] == "models/iter_2/policy"
+        assert got["artifact_uri"].startswith("mlflow-artifacts:/")     # through the proxy
+        assert "report/report.html" in got["report"]
+        assert list((team / "artifacts").rglob("report.html"))
+        out = run_cli("lineage", "models:/alignloop-policy@champion", "--workspace", str(ws),
+                      "--verify", env=env)
+        assert out.stdout.startswith(f"alignloop-policy v{got['version']} ['champion']")
+        assert "verify: ok" in out.stdout
+        bad = run_cli("serve", "models:/alignloop-policy@nope", "--workspace", str(ws), env=env,
+                      check=False)
+        assert bad.returncode == 2 and "has no alias nope (aliases: champion -> v" in bad.stderr
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)

@@ -92,6 +92,11 @@ def test_prefect_flow_run_logs_hold_every_stage_result_line(tiny_run):
         run_cli("server", "stop", "--workspace", str(ws), check=False)
     for stage in ordered_stages(ws):
         assert any(m.startswith(f"[ran] {stage.name} (") for m in messages), stage.name
+    printed = tiny_run["first"].stdout.splitlines()     # each stage's summary, as it printed it
+    for prefix in ("prompts: ", "train_rm@2: ", "update@2: ", "gate@2: ", "report: "):
+        line = next(x for x in printed if x.startswith(prefix))
+        assert line in messages, prefix
+    assert any(m.startswith("targets (iteration 2): ") for m in messages)
 
 
 def test_stage_runs_that_ran_torch_record_the_resolved_device(tiny_run):

@@ -46,8 +46,8 @@ def import_pairs(path: Path, root: Path | None = None) -> list[PreferencePair]:
         raise DataError(f"{path}: no preference pairs"
                         + (f" ({len(res.identical)} rows with chosen == rejected)"
                            if res.identical else ""))
-    print(f"collect_offpolicy: {res.rows} rows, {len(res.pairs)} pairs, {res.duplicates} "
-          f"duplicates dropped, {len(res.identical)} with chosen == rejected refused")
+    stage.say(f"collect_offpolicy: {res.rows} rows, {len(res.pairs)} pairs, {res.duplicates} "
+                f"duplicates dropped, {len(res.identical)} with chosen == rejected refused")
     return res.pairs
 
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics["offpolicy/n_pairs"] = float(len(pairs))
     jsonl.write(root / layout.pairs_pool(0), (x.to_record() for x in pairs))
     stage.write_metrics(root, layout.OFFPOLICY_METRICS, metrics)
-    print(f"collect_offpolicy: {len(pairs)} pairs ({p.offpolicy.source})")
+    stage.say(f"collect_offpolicy: {len(pairs)} pairs ({p.offpolicy.source})")
 
 
 if __name__ == "__main__":

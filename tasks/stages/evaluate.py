@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
                                      candidates, bon_path, tok.pad_token_id)
     jsonl.write(root / layout.eval_samples(it), rows)
     stage.write_metrics(root, layout.metrics(it, "evaluate"), metrics)
-    print(summary(it, metrics))
+    stage.say(summary(it, metrics))
 
 
 def evaluate_best_of_n(p: Params, candidates: Sequence[Rollout], path: str, rm: torch.nn.Module,

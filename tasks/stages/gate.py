@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     decision = {"iteration": args.it, **decide(metrics, args.params.gate)}
     atomic.write_json(args.root / layout.gate(args.it), decision)
     verdict = "passed" if decision["passed"] else "failed: " + "; ".join(decision["reasons"])
-    print(f"gate@{args.it}: {verdict}")
+    stage.say(f"gate@{args.it}: {verdict}")
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     jsonl.write(root / layout.pairs_pool(it), (p.to_record() for p in pool + new))
     metrics["judge/pool_size"] = float(len(pool) + len(new))
     stage.write_metrics(root, layout.metrics(it, "judge"), metrics)
-    print(f"judge@{it}: {len(pairs)} pairs from {len(groups)} prompts, {len(new)} for the reward "
-          f"model; pool {len(pool) + len(new)}")
+    stage.say(f"judge@{it}: {len(pairs)} pairs from {len(groups)} prompts, {len(new)} for the "
+              f"reward model; pool {len(pool) + len(new)}")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     train, heldout = build_prompts(subjects, templates, p, args.params.seed)
     jsonl.write(args.root / layout.PROMPTS_TRAIN, train)
     jsonl.write(args.root / layout.PROMPTS_HELDOUT, heldout)
-    print(f"prompts: {len(train)} train, {len(heldout)} held-out")
+    stage.say(f"prompts: {len(train)} train, {len(heldout)} held-out")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ CONTRACT = stage.Contract(
 def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "", CONTRACT)
     page = report.build_report(args.root, args.root / layout.REPORT_DIR, args.params)
-    print(f"report: {page.relative_to(args.root)}")
+    stage.say(f"report: {page.relative_to(args.root)}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     jsonl.write(args.root / layout.rollouts(it), (r.to_record() for r in rollouts))
     metrics = rollout_metrics(rollouts)
     stage.write_metrics(args.root, layout.metrics(it, "rollout"), metrics)
-    print(f"rollout@{it}: {len(rollouts)} samples from {layout.policy(it - 1)}")
+    stage.say(f"rollout@{it}: {len(rollouts)} samples from {layout.policy(it - 1)}")
 
 
 if __name__ == "__main__":

@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> None:
         model_card.write_model_card(tmp, root, "train_rm", it, p, metrics)
     jsonl.write(root / layout.audit_queue(it), queue)
     stage.write_metrics(root, layout.metrics(it, "train_rm"), metrics)
-    print(f"train_rm@{it}: {len(members)} member(s), {len(train)} train / {len(held)} held-out "
-          f"pairs, held-out accuracy {metrics['rm/accuracy']:.3f}, {len(queue)} pairs to audit"
-          + (f", on {group.world} processes" if group.world > 1 else ""))
+    stage.say(f"train_rm@{it}: {len(members)} member(s), {len(train)} train / {len(held)} "
+              f"held-out pairs, held-out accuracy {metrics['rm/accuracy']:.3f}, {len(queue)} "
+              f"pairs to audit" + (f", on {group.world} processes" if group.world > 1 else ""))
     distributed.close(group)
 
 

@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> None:
                                        stage.generator(p.seed, 3, it), group)
     if group.main:                            # ranks > 0 write nothing
         write_policy(policy, tok, p, root, it, result)
-        print(f"update@{it}: {p.update.algo}, {int(result.metrics['update/steps'])} steps"
-              + (f" on {group.world} processes" if group.world > 1 else ""))
+        stage.say(f"update@{it}: {p.update.algo}, {int(result.metrics['update/steps'])} steps"
+                    + (f" on {group.world} processes" if group.world > 1 else ""))
     distributed.close(group)
 
 
