@@ -29,13 +29,27 @@ RECORD = "registry/versions.json"
 LOCAL_TAGS = ("workspace",)            # where the recording workspace lay: not the clone's
 
 
-def snapshot(client: MlflowClient) -> dict[str, Any]:
+def _known_commits(root: Path, shas: set[str]) -> set[str]:
+    """The commits among `shas` that this repository holds."""
+    import subprocess
+    if not shas:
+        return set()
+    out = subprocess.run(["git", "cat-file", "--batch-check"], cwd=root, capture_output=True,
+                         text=True, input="".join(f"{s}\n" for s in sorted(shas))).stdout
+    return {line.split()[0] for line in out.splitlines() if line.split()[1:2] == ["commit"]}
+
+
+def snapshot(client: MlflowClient, root: Path | None = None) -> dict[str, Any]:
     """The store's versions of alignloop's models, as the record holds them (sorted, no
-    absolute paths)."""
+    absolute paths). With `root`, only the versions this workspace registered (their
+    `git_commit` is in its history): a team's server holds other workspaces' too."""
     models: dict[str, Any] = {}
     for name in (REWARD_MODEL, POLICY_MODEL):
         versions = []
         found = client.search_model_versions(f"name = '{name}'")
+        if root is not None:
+            ours = _known_commits(root, {mv.tags.get("git_commit", "") for mv in found} - {""})
+            found = [mv for mv in found if mv.tags.get("git_commit") in ours]
         # search_model_versions leaves `aliases` empty: the registered model holds them
         aliases = client.get_registered_model(name).aliases if found else {}
         for mv in found:
@@ -52,7 +66,7 @@ def snapshot(client: MlflowClient) -> dict[str, Any]:
 
 def write(root: Path, client: MlflowClient | None = None) -> bool:
     """Rewrite the record from the store; True if its bytes changed."""
-    text = json.dumps(snapshot(client or MlflowClient()), indent=1, sort_keys=True) + "\n"
+    text = json.dumps(snapshot(client or MlflowClient(), root), indent=1, sort_keys=True) + "\n"
     path = root / RECORD
     if path.is_file() and path.read_text() == text:
         return False

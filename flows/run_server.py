@@ -3,7 +3,9 @@
 Prefect's own temporary server is a child process that nothing ends when the CLI is killed
 with `kill -9`: it stayed listening. This one is the same server (uvicorn on loopback, the
 workspace's SQLite store, no UI), started with a parent-death signal, so the kernel ends it
-whenever the CLI process ends, however it ends. Runs with a PREFECT_API_URL of their own (a
+whenever the CLI process ends, however it ends, in a session of its own, so that a signal to
+the CLI's process group (Ctrl-C, a service manager's stop) does not end it before the CLI has
+finished with it. Runs with a PREFECT_API_URL of their own (a
 team's server, or the workspace's standalone one from `alignloop server start`) use that.
 """
 from __future__ import annotations
@@ -60,7 +62,11 @@ class RunServer:
                  "prefect.server.api.server:create_app", "--host", HOST, "--port",
                  str(self.port), "--log-level", "error", "--lifespan", "on"],
                 env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                preexec_fn=_die_with_parent)
+                preexec_fn=_die_with_parent,
+                # a session of its own: Ctrl-C or a service manager's stop signals the CLI's
+                # whole process group, and the server must outlive the flow's last report
+                # (the CLI stops it at exit, the kernel when the CLI dies)
+                start_new_session=True)
         atexit.register(self.stop)
         return self
 

@@ -202,7 +202,7 @@ def test_the_registry_record_in_git_matches_the_store(tiny_run):
     ws = tiny_run["ws"]
     client = MlflowClient(tracking_uri=f"sqlite:///{ws / '.alignloop' / 'mlflow.db'}")
     text = (ws / registry_record.RECORD).read_text()
-    assert json.loads(text) == registry_record.snapshot(client)
+    assert json.loads(text) == registry_record.snapshot(client, ws)
     assert str(ws) not in text
     committed = subprocess.run(["git", "show", f"HEAD:{registry_record.RECORD}"], cwd=ws,
                                capture_output=True, text=True, check=True).stdout

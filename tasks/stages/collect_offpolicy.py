@@ -47,7 +47,7 @@ def import_pairs(path: Path, root: Path | None = None) -> list[PreferencePair]:
                         + (f" ({len(res.identical)} rows with chosen == rejected)"
                            if res.identical else ""))
     stage.say(f"collect_offpolicy: {res.rows} rows, {len(res.pairs)} pairs, {res.duplicates} "
-                f"duplicates dropped, {len(res.identical)} with chosen == rejected refused")
+              f"duplicates dropped, {len(res.identical)} with chosen == rejected refused")
     return res.pairs
 
 

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         mlflow_model.write_mlflow_model(tmp, mlflow_model.CHAT, {"model_path": layout.policy(0)})
         model_card.write_model_card(tmp, args.root, "prepare_model", 0, args.params, {})
     stage.say(f"prepare_model: {info['source']} model at {layout.policy(0)} "
-                f"({time.perf_counter() - t0:.1f} s)")
+              f"({time.perf_counter() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
                                  stage.generator(p.seed, 6)) if bon.n > 0 else []
     jsonl.write(root / layout.BEST_OF_N_SAMPLES, (s.to_record() for s in candidates))
     stage.say(f"reference_samples: {len(samples)} reference responses to held-out prompts, "
-                f"{len(candidates)} Best-of-{bon.n} candidates")
+              f"{len(candidates)} Best-of-{bon.n} candidates")
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     if group.main:                            # ranks > 0 write nothing
         write_policy(policy, tok, p, root, it, result)
         stage.say(f"update@{it}: {p.update.algo}, {int(result.metrics['update/steps'])} steps"
-                    + (f" on {group.world} processes" if group.world > 1 else ""))
+                  + (f" on {group.world} processes" if group.world > 1 else ""))
     distributed.close(group)
 
 
