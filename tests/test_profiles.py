@@ -108,8 +108,7 @@ def test_the_shipped_overlays_name_their_base_and_little_else() -> None:
     """default-ppo, default-http-judge, tiny-distributed and tiny-http-judge hold their
     differences only (the rest of each is its base, merged: no copy to drift)."""
     params = TINY.parent
-    for name, base, sections in (("default-ppo", "default.yaml", {"iterations", "judge",
-                                                                   "rollout", "update",
+    for name, base, sections in (("default-ppo", "default.yaml", {"iterations", "update",
                                                                    "targets"}),
                                  ("default-http-judge", "default.yaml", {"judge"}),
                                  ("tiny-http-judge", "tiny.yaml", {"offpolicy", "judge"}),
