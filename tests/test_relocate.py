@@ -90,7 +90,8 @@ def test_a_copied_store_names_the_copy_and_the_original_is_untouched(tmp_path: P
 def test_a_copy_runs_loads_and_audits_on_its_own_with_the_original_unreadable(
         tiny_run: dict, tmp_path: Path) -> None:
     """cp -a of a finished workspace, the original moved out of reach: the copy runs a third
-    iteration (a tick), loads its champion through MLflow, `lineage --verify` passes against
+    iteration (a tick), loads its champion through MLflow and has it answer a chat request,
+    `lineage --verify` passes against
     its own stores; the original's files are byte for byte as before."""
     src = tmp_path / "W"
     shutil.copytree(tiny_run["ws"], src, symlinks=True)     # the original, for this test
@@ -107,13 +108,16 @@ def test_a_copy_runs_loads_and_audits_on_its_own_with_the_original_unreadable(
                          str(copy), "--verify")
         assert "verify: ok" in verify.stdout and f"{src}/" not in verify.stdout
         code = ("import mlflow; p = mlflow.transformers.load_model("
-                "'models:/alignloop-policy@champion'); print(p.task)")
+                "'models:/alignloop-policy@champion'); print(p.task); "
+                "c = mlflow.pyfunc.load_model('models:/alignloop-policy@champion'); "
+                "r = c.predict({'messages': [{'role': 'user', 'content': 'Review Heat.'}], "
+                "'max_tokens': 8}); print(r[0]['choices'][0]['message']['role'])")
         env = {**os.environ, "MLFLOW_TRACKING_URI":
                f"sqlite:///{copy / '.alignloop' / 'mlflow.db'}"}
         loaded = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                                 capture_output=True, text=True)
-        assert loaded.returncode == 0 and loaded.stdout.strip() == "text-generation", \
-            loaded.stderr[-2000:]
+        assert loaded.returncode == 0, loaded.stderr[-2000:]
+        assert loaded.stdout.split() == ["text-generation", "assistant"]  # loads, answers chat
     finally:
         away.rename(src)
     assert snapshot(src) == before
