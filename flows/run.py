@@ -126,6 +126,10 @@ def _failure(e: BaseException, logs: dict[str, Path], restored: bool) -> RunFail
     if signals.received() is not None or isinstance(e, (signals.Terminated, KeyboardInterrupt)):
         sig = signals.received() or signal.SIGINT
         return RunFailed(f"stopped by {signal.Signals(sig).name} ({where})", 128 + sig)
+    if isinstance(e, StageFailed) and (sig := _stopping_signal(e.detail)):
+        # Ctrl-C or a service manager's stop reached the stage with the CLI's process group,
+        # while DVC, running it, ignored the signal in this process
+        return RunFailed(f"stopped by {signal.Signals(sig).name} ({where})", 128 + sig)
     if isinstance(e, StageFailed):
         own = _stage_errors(logs["errors"])
         detail = own[-1].removeprefix("error: ") if own else e.detail
@@ -136,6 +140,18 @@ def _failure(e: BaseException, logs: dict[str, Path], restored: bool) -> RunFail
         return RunFailed(f"{e} ({where})", 2)
     _log(logs["log"], ["".join(traceback.format_exception(e))])
     return RunFailed(f"{type(e).__name__}: {e} ({where})", 1)
+
+
+def _stopping_signal(detail: str) -> int | None:
+    """The signal that ended a stage process, when it is one a person or a service manager
+    stops a run with (killed by it: `exited with -N`; or exited 128 + N on it)."""
+    import re
+    m = re.search(r"exited with (-?\d+)", detail)
+    if not m:
+        return None
+    code = int(m.group(1))
+    sig = -code if code < 0 else code - 128
+    return sig if sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) else None
 
 
 def _stage_errors(path: Path) -> list[str]:
