@@ -198,12 +198,6 @@ def run_main(body: Callable[[], None]) -> None:
         body()
     except InputError as e:
         _fail(f"error: {e}", 2)
-    except KeyboardInterrupt:
-        if not os.environ.get(CLI_PID_ENV):
-            raise
-        # Ctrl-C reaches the terminal's whole process group: the CLI says the one line
-        sys.stderr.flush()
-        os._exit(128 + 2)
     except Exception as e:
         log = os.environ.get(LOG_FILE_ENV)
         if not log:
