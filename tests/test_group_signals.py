@@ -1,7 +1,8 @@
 """A run stopped the way terminals and service managers stop it: Ctrl-C in a pseudo-terminal
 (SIGINT to the whole foreground process group) and `kill -TERM -PGID` (SIGTERM to the group)
 while a stage runs. The run ends within seconds with 128 + N and one line naming the signal,
-no traceback, no process left, and the workspace as it was before the run."""
+no traceback, no process left, and the workspace as the interrupted stage found it (what the
+run recorded before it, iteration 0, is kept)."""
 from __future__ import annotations
 
 import os
@@ -52,7 +53,6 @@ def _drain(fd: int, proc: subprocess.Popen, timeout: float) -> str:
 def test_a_signal_to_the_process_group_ends_the_run_at_once(tmp_path: Path, sig: int):
     ws = tmp_path / "ws"
     run_cli("init", str(ws), "--params", str(TINY))
-    before = snapshot(ws, cache=False)     # the cache may keep objects of stages that ran
     primary, secondary = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--workspace", str(ws)],
                             cwd=ROOT, stdin=secondary, stdout=secondary, stderr=secondary,
@@ -60,6 +60,8 @@ def test_a_signal_to_the_process_group_ends_the_run_at_once(tmp_path: Path, sig:
     os.close(secondary)
     try:
         _read_until(primary, "[run] rollout@1", timeout=300)
+        # iteration 0 is recorded (committed, kept); what rollout@1 makes must not stay
+        before = snapshot(ws, cache=False)            # the cache keeps objects of stages run
         time.sleep(2)                                  # the stage process is at work
         family = psutil.Process(proc.pid).children(recursive=True)
         t0 = time.monotonic()
@@ -77,7 +79,7 @@ def test_a_signal_to_the_process_group_ends_the_run_at_once(tmp_path: Path, sig:
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and name in errors[0], out[-2000:]
     assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert snapshot(ws, cache=False) == before         # every new path removed
+    assert snapshot(ws, cache=False) == before         # every path the stage made removed
     status = subprocess.run(["git", "status", "--porcelain"], cwd=ws, capture_output=True,
                             text=True).stdout
     assert status == ""
