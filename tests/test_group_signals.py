@@ -48,8 +48,8 @@ def _drain(fd: int, proc: subprocess.Popen, timeout: float) -> str:
     return out
 
 
-@pytest.mark.parametrize("sig", [
-    signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+@pytest.mark.slow                  # a run from scratch to its first loop stage, twice
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_process_group_ends_the_run_at_once(tmp_path: Path, sig: int):
     ws = tmp_path / "ws"
     run_cli("init", str(ws), "--params", str(TINY))

@@ -205,6 +205,7 @@ def test_dvc_sees_no_change_after_a_models_uri_load(tiny_run, tmp_path):
     assert out.returncode == 0, out.stdout
 
 
+@pytest.mark.slow                  # MLflow's scoring server starts in ~30 s
 def test_alignloop_serve_answers_a_chat_request_over_http(tiny_run, tmp_path):
     """`alignloop serve` (MLflow's scoring server on the champion, the workspace's store, PATH
     without this interpreter's bin directory): a `messages` request gets the assistant's reply
