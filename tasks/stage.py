@@ -21,9 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from tasks import atomic, layout
-from tasks.errors import InputError
-from tasks.params import Params, load_params
+# A process the CLI started (a stage, its workers) ends quietly with 130 on SIGINT: Ctrl-C
+# reaches the terminal's whole process group and the CLI says the one line. Installed when this
+# module is imported, which every stage does first, before its heavy imports (the CLI process
+# itself keeps its own handler, flows/signals.py).
+if os.environ.get("ALIGNLOOP_CLI_PID") not in (None, str(os.getpid())):
+    import signal as _signal
+    _signal.signal(_signal.SIGINT, lambda *_: os._exit(128 + _signal.SIGINT))
+
+from tasks import atomic, layout  # noqa: E402
+from tasks.errors import InputError  # noqa: E402
+from tasks.params import Params, load_params  # noqa: E402
 
 if TYPE_CHECKING:                   # imported where a stage uses it: not by every stage
     import torch

@@ -10,9 +10,11 @@ The result is iteration 0's pair pool; each iteration's judged on-policy pairs a
 """
 from __future__ import annotations
 
+from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+
 from pathlib import Path
 
-from tasks import jsonl, layout, lm, stage
+from tasks import jsonl, layout, lm
 from tasks.device import Device
 from tasks.generation import load_prompts, sample_rollouts
 from tasks.jsonl import DataError

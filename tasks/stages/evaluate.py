@@ -9,6 +9,8 @@ log N - (N-1)/N); and the reward-hacking monitors. One metrics JSON plus the pai
 """
 from __future__ import annotations
 
+from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tasks import jsonl, layout, lm, stage
+from tasks import jsonl, layout, lm
 from tasks.generation import load_prompts, sample_rollouts
 from tasks.gold import GoldEvaluator, GoldScore, gold_verdict, mean_nll
 from tasks.jsonl import DataError

@@ -5,10 +5,12 @@ alias `champion`); the decision itself is a declared, versioned artifact.
 """
 from __future__ import annotations
 
+from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+
 import json
 from typing import Any
 
-from tasks import atomic, layout, stage
+from tasks import atomic, layout
 from tasks.jsonl import DataError
 from tasks.schemas.gate import GateParams
 

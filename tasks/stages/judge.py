@@ -7,7 +7,9 @@ and the judge's agreement with the person's audit labels is measured on it.
 """
 from __future__ import annotations
 
-from tasks import audit, jsonl, layout, stage
+from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+
+from tasks import audit, jsonl, layout
 from tasks.judges import make_judge
 from tasks.labelling import audit_agreement, judge_all, rollout_groups
 from tasks.records import parse_pair, parse_rollout

@@ -8,12 +8,14 @@ $ALIGNLOOP_CACHE_DIR, else in the workspace's git-ignored `.alignloop/cache`.
 """
 from __future__ import annotations
 
+from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+
 import os
 import shutil
 import time
 from pathlib import Path
 
-from tasks import atomic, layout, lm, mlflow_model, model_card, stage
+from tasks import atomic, layout, lm, mlflow_model, model_card
 from tasks.schemas.model import ModelParams
 
 

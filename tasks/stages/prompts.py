@@ -5,12 +5,14 @@ about disjoint subjects, so evaluation asks about movies the policy was never tr
 """
 from __future__ import annotations
 
+from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+
 import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tasks import jsonl, layout, stage
+from tasks import jsonl, layout
 from tasks.jsonl import DataError
 from tasks.schemas.prompts import PromptParams
 

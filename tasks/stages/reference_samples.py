@@ -5,7 +5,9 @@ With `evaluate.best_of_n.n` > 0 it also draws N more samples for the first
 `best_of_n.n_prompts` prompts: the Best-of-N baseline, reranked by each iteration's RM."""
 from __future__ import annotations
 
-from tasks import jsonl, layout, lm, stage
+from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+
+from tasks import jsonl, layout, lm
 from tasks.generation import load_prompts, sample_rollouts
 
 

@@ -7,7 +7,9 @@ and each commit's dvc.lock names the page built from that commit's results.
 """
 from __future__ import annotations
 
-from tasks import layout, report, stage
+from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+
+from tasks import layout, report
 
 CONTRACT = stage.Contract(
     "report", params=("seed", "model", "judge.kind", "judge.version", "judge.model",

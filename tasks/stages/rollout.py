@@ -7,9 +7,11 @@ settings, and the version (weights md5) and iteration of the policy that produce
 """
 from __future__ import annotations
 
+from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+
 from collections.abc import Sequence
 
-from tasks import jsonl, layout, lm, stage
+from tasks import jsonl, layout, lm
 from tasks.generation import load_prompts, sample_rollouts
 from tasks.records import Rollout
 

@@ -8,13 +8,15 @@ order). Afterwards the pairs to audit next are exported to `audit/iter_k/queue.j
 """
 from __future__ import annotations
 
+from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import transformers
 
-from tasks import atomic, audit, distributed, jsonl, layout, lm, mlflow_model, model_card, stage
+from tasks import atomic, audit, distributed, jsonl, layout, lm, mlflow_model, model_card
 from tasks.device import Device
 from tasks.distributed import SINGLE, Group
 from tasks.jsonl import DataError

@@ -11,6 +11,8 @@ The reference is an explicit, versioned input: the initial model or the previous
 """
 from __future__ import annotations
 
+from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 from tasks import (atomic, conditions, distributed, jsonl, layout, lm, mlflow_model, model_card,
-                   stage, value_head)
+                   value_head)
 from tasks.device import device_of
 from tasks.distributed import SINGLE, Group
 from tasks.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
