@@ -213,17 +213,23 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """`mlflow models serve` of a registered version, with the workspace's store and this
-    interpreter's environment (MLflow starts `uvicorn` by name: its bin directory goes first on
-    PATH). A policy is a chat model: POST /invocations {"messages": [...], "max_tokens": N}."""
+    """`mlflow models serve` of a registered version's exact bytes (found by its `model_md5` in
+    the DVC cache or a local remote, flows/restore.py), with this interpreter's environment
+    (MLflow starts `uvicorn` by name: its bin directory goes first on PATH). A policy is a chat
+    model: POST /invocations {"messages": [...], "max_tokens": N}."""
     from mlflow.tracking import MlflowClient
 
-    from flows import lineage
+    from flows import lineage, restore
     ws = existing_workspace(args.workspace)
     mv = lineage.resolve(MlflowClient(), args.model)       # one line for a bad name or alias
-    print(f"serving {mv.name} v{mv.version} ({args.model}) on http://{args.host}:{args.port}"
-          "/invocations", flush=True)
-    cmd = [sys.executable, "-m", "mlflow", "models", "serve", "-m", args.model,
+    try:
+        model_dir = restore.materialise(ws.root, ws.state, mv.tags.get("model_path", "?"),
+                                        mv.tags.get("model_md5", ""))
+    except restore.NotRestorable as e:
+        raise InputError(f"{args.model}: {mv.name} v{mv.version}: {e}") from None
+    print(f"serving {mv.name} v{mv.version} ({args.model}, md5 {mv.tags['model_md5']}) on "
+          f"http://{args.host}:{args.port}/invocations", flush=True)
+    cmd = [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(model_dir),
            "--env-manager", "local", "-h", args.host, "-p", str(args.port)]
     os.execvpe(cmd[0], cmd, {**os.environ, **wsmod.environment(ws)})
     return 0                                               # not reached

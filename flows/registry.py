@@ -4,15 +4,20 @@ they come from are logged by flows/tracking.py).
 Every registered version is tied to the exact bytes that produced it: workspace git commit,
 DVC stage, the md5 of the model directory (as DVC records it) and of every input, the parent
 policy version, the reward model version, the judge, and the Prefect flow-run id. The weights
-themselves are stored once, by DVC; a version's source is the workspace path, restorable at
-its git commit with `dvc pull` and checked against `model_md5`.
+themselves are stored once, by DVC, and found by `model_md5` (flows/restore.py). A version's
+`source` is where MLflow itself would load it from: the workspace path when the registry is this
+machine's store; on a tracking server (which accepts only sources inside the run's artifacts) a
+small pointer logged to the run, `runs:/<run>/<model_path>/dvc-pointer.json` naming path, md5,
+commit and how to restore them; the weights are never uploaded.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -72,8 +77,32 @@ def register(client: MlflowClient, name: str, root: Path, stage: str, lock: dict
             tags[key.replace("_version", "_uri")] = f"models:/{model}/{version}"
             links.append(f"{key.replace('_version', '').replace('_', ' ')}: "
                          f"[{model} v{version}](#/models/{model}/versions/{version})")
-    return client.create_model_version(name, source=str(root / out_path), run_id=run_id,
+    source = _source(client, root, out_path, run_id, tags)
+    return client.create_model_version(name, source=source, run_id=run_id,
                                        tags=tags, description="\n\n".join(links))
+
+
+def _served_registry() -> bool:
+    """True when the registry is a tracking server (http, https, databricks), not a store this
+    process opens itself (a SQLite file, a database URL, a directory)."""
+    from mlflow import get_registry_uri
+    scheme = urlparse(get_registry_uri()).scheme
+    return scheme in ("http", "https") or scheme.startswith("databricks")
+
+
+def _source(client: MlflowClient, root: Path, out_path: str, run_id: str,
+            tags: dict[str, str]) -> str:
+    if not _served_registry():
+        return str(root / out_path)
+    pointer = {k: tags[k] for k in ("model_path", "model_md5", "dvc_stage", "git_commit")
+               if k in tags}
+    pointer["restore"] = (f"git checkout {tags.get('git_commit', '<commit>')} && "
+                          f"dvc pull {out_path}")
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "dvc-pointer.json"
+        f.write_text(json.dumps(pointer, indent=2) + "\n")
+        client.log_artifact(run_id, str(f), artifact_path=out_path)
+    return f"runs:/{run_id}/{out_path}"
 
 
 def register_iteration(root: Path, iteration: int, lock: dict[str, Any], run_id: str,

@@ -134,14 +134,12 @@ def _columns(con: sqlite3.Connection) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a real mlflow server refuses a model version whose "
-                   "source is a local path outside the run's artifacts (INVALID_PARAMETER_VALUE"
-                   "): flows/registry.py registers the workspace's model directory")
 def test_a_teams_mlflow_server_takes_the_stores_role(tmp_path: Path) -> None:
     """`MLFLOW_TRACKING_URI` names a real `mlflow server` (SQLite behind it, artifacts through
     its proxy): the run records there and not in the workspace, the champion is registered there
-    with the workspace-relative lineage, the report reaches the proxy, and `lineage --verify`
-    and `serve`'s alias check answer from the server."""
+    with the workspace-relative lineage and a pointer to its DVC bytes as source (the server
+    accepts only sources inside the run's artifacts; no weights uploaded), the report reaches
+    the proxy, and `lineage --verify` and `serve`'s alias check answer from the server."""
     import socket
     import time
     import urllib.request
@@ -178,13 +176,20 @@ import json, mlflow
 c = mlflow.MlflowClient({url!r})
 mv = c.get_model_version_by_alias("alignloop-policy", "champion")
 run = c.get_run(mv.run_id)
+pointer = mlflow.artifacts.download_artifacts(mv.source + "/dvc-pointer.json",
+                                             tracking_uri={url!r})
 print(json.dumps({{"version": mv.version, "model_path": mv.tags["model_path"],
-                   "artifact_uri": run.info.artifact_uri,
+                   "md5": mv.tags["model_md5"], "source": mv.source, "run_id": mv.run_id,
+                   "pointer": json.load(open(pointer)), "artifact_uri": run.info.artifact_uri,
                    "report": [f.path for f in c.list_artifacts(mv.run_id, "report")]}}))
 """
         got = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True,
                                         text=True, check=True).stdout)
         assert got["model_path"] == "models/iter_2/policy"
+        assert got["source"] == f"runs:/{got['run_id']}/models/iter_2/policy"
+        assert got["pointer"]["model_md5"] == got["md5"]
+        assert got["pointer"]["restore"].endswith("dvc pull models/iter_2/policy")
+        assert not list((team / "artifacts").rglob("*.safetensors"))  # weights stay in DVC
         assert got["artifact_uri"].startswith("mlflow-artifacts:/")     # through the proxy
         assert "report/report.html" in got["report"]
         assert list((team / "artifacts").rglob("report.html"))
