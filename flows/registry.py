@@ -26,6 +26,7 @@ from flows import crashpoints
 from flows.dag import parse_name
 from flows.tracking import entry_io
 from tasks import layout
+from tasks.params import load_params, prev_of
 
 POLICY_MODEL = "alignloop-policy"
 REWARD_MODEL = "alignloop-reward-model"
@@ -111,7 +112,8 @@ def register_iteration(root: Path, iteration: int, lock: dict[str, Any], run_id:
     client = MlflowClient()
     rm = register(client, REWARD_MODEL, root, f"train_rm@{iteration}", lock, run_id, common)
     crashpoints.reach("rm_version", iteration)
-    parent = "initial" if iteration == 1 else _version_of(client, lock, iteration - 1)
+    prev = prev_of(load_params(root / layout.PARAMS_FILE), iteration)   # what it started from
+    parent = "initial" if prev == 0 else _version_of(client, lock, prev)
     pol = register(client, POLICY_MODEL, root, f"update@{iteration}", lock, run_id,
                    {**common, "parent_policy_version": parent,
                     "reward_model_version": str(rm.version)})

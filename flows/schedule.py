@@ -40,10 +40,28 @@ TICKS = "ticks.jsonl"          # in .alignloop/: when each tick started and ende
 COLLISION = {"skip": ConcurrencyLimitStrategy.CANCEL_NEW, "wait": ConcurrencyLimitStrategy.ENQUEUE}
 
 
-def append_iteration(text: str) -> tuple[str, int]:
-    """The params text with one more item under `iterations:`; comments are kept."""
+def champion_iteration(root: Path) -> int:
+    """The iteration of the registered policy the `champion` alias names, from the registry's
+    record in git (registry/versions.json, which follows every alias move); 0 (the initial
+    model) when there is none."""
+    from flows.registry import POLICY_MODEL
+    from flows.registry_record import RECORD
+    path = root / RECORD
+    if not path.is_file():
+        return 0
+    versions = json.loads(path.read_text()).get("models", {}).get(POLICY_MODEL, [])
+    for v in versions:
+        if "champion" in v.get("aliases", []):
+            return int(v["tags"].get("iteration", 0))
+    return 0
+
+
+def append_iteration(text: str, prev: int | None = None) -> tuple[str, int]:
+    """The params text with one more item under `iterations:`, starting from iteration `prev`
+    (the champion's; default: the last one); comments are kept."""
     params = parse_params(text)
     k = max(iteration_numbers(params)) + 1
+    prev = k - 1 if prev is None else prev
     lines = text.splitlines(keepends=True)
     start = next(i for i, line in enumerate(lines) if re.match(r"^iterations:", line))
     end = start + 1
@@ -52,7 +70,8 @@ def append_iteration(text: str) -> tuple[str, int]:
     while end > start + 1 and not lines[end - 1].strip():
         end -= 1
     indent = re.match(r"^(\s*)", lines[start + 1]).group(1) if end > start + 1 else "  "
-    lines.insert(end, f'{indent}"{k}": {{prev: {k - 1}}}\n')
+    why = "the champion's" if prev else "the initial model: no champion yet"
+    lines.insert(end, f'{indent}"{k}": {{prev: {prev}}}   # {why}\n')
     new = "".join(lines)
     assert max(iteration_numbers(parse_params(new))) == k
     return new, k
@@ -107,7 +126,7 @@ def _next_iteration(ws: Workspace, waited_s: float) -> dict[str, object]:
     started = time.time()
     head = git(ws.root, "rev-parse", "HEAD")
     path = ws.root / layout.PARAMS_FILE
-    new, k = append_iteration(path.read_text())
+    new, k = append_iteration(path.read_text(), champion_iteration(ws.root))
     path.write_text(new)
     try:
         summaries = pipeline.alignloop(str(ws.root))

@@ -18,6 +18,7 @@ import configparser
 import hashlib
 import json
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,10 @@ def _datasets(root: Path, entry: dict[str, Any], remote: str | None) -> list[Dat
         where = f"{remote}/files/md5/{object_path(Path(), md5).as_posix()}" if remote else \
             (root / path).as_uri()
         try:
-            source = resolve_dataset_source(where)
+            with warnings.catch_warnings():   # MLflow registers its local source twice and
+                warnings.filterwarnings(      # says so on every resolve: not the user's concern
+                    "ignore", message="The specified dataset source can be interpreted")
+                source = resolve_dataset_source(where)
         except Exception:   # a remote scheme MLflow has no dataset source for
             source = HTTPDatasetSource(where)
         ds = MetaDataset(source=source, name=path, digest=md5)

@@ -9,7 +9,7 @@ The person writes verdicts to a SEPARATE, git-tracked file, `audit/labels.jsonl`
 so DVC never deletes it), one JSON object per line:
 
     {"pair_id": "<md5 of prompt+chosen+rejected>", "verdict": "chosen_ok" | "swap" | "drop",
-     "note": "optional free text"}
+     "source": "iter_3", "note": "optional free text"}
 
 `chosen_ok`: the judge was right; `swap`: the rejected response is the better one; `drop`: no
 usable preference (both bad, a tie, garbage). Other keys are allowed and ignored, so a queue
@@ -17,11 +17,14 @@ line with a `verdict` added is a valid label; its `reason` ("random" or "disagre
 kept, so the judge error rate can also be reported on the unbiased random sample alone.
 Every later `train_rm` applies the verdicts to its pool before training.
 
-A label that carries the queue line's `source` ("iter_j", "cold_start", "import") names the
-iteration its pair joined the pool; pools only grow, so when that iteration is covered by the
-pool (j <= the pool's newest iteration) and no pair matches, the pair_id is wrong, and that is an
-error naming the labels file and line. A label without `source` that matches nothing may belong
-to a later iteration: it is counted (rm/audit_n_unmatched), not refused.
+A label's `source` ("iter_j", "cold_start", "import": the queue line carries it) names where its
+pair joined a pool. A pool holds every pair of each source it holds any of (pools only grow along
+the chain of `prev`), so a label whose source the pool holds but whose pair_id matches nothing
+is wrong (mistyped, or left from data that has since changed): an error naming the labels file
+and line. A label whose source the pool does not hold (a later iteration's pair, or one of a
+refused iteration that nothing builds on) is counted (rm/audit_n_unmatched). A label without
+`source` must match a pair: otherwise nothing tells a later pair from a mistyped id, and it is
+refused the same way. The stage that reads the labels refuses; nothing is written.
 """
 from __future__ import annotations
 
@@ -83,14 +86,24 @@ def source_iteration(source: str) -> int | None:
 
 def check_unknown(pairs: Sequence[PreferencePair], labels: dict[str, AuditLabel],
                   matched: set[str]) -> None:
-    """Refuse labels whose `source` iteration the pool covers but whose pair_id it lacks."""
-    newest = max((i for p in pairs if (i := source_iteration(p.source)) is not None), default=-1)
+    """Refuse an unmatched label whose `source` the pool holds, or that names none."""
+    held = {p.source for p in pairs}
     for pid, label in labels.items():
-        it = source_iteration(label.source)
-        if pid not in matched and it is not None and it <= newest:
-            raise DataError(f"{label.where or 'audit labels'}: pair_id {pid} matches no pair of "
-                            f"the pool, which holds every {label.source} pair (a mistyped id, or "
-                            "a label left from data that has since changed: fix or remove it)")
+        if pid in matched:
+            continue
+        where = label.where or "audit labels"
+        if not label.source:
+            raise DataError(f"{where}: pair_id {pid} matches no pair of the pool, and the label "
+                            "has no 'source' to tell a later iteration's pair from a mistyped "
+                            "id: copy its line from the queue (audit/iter_k/queue.jsonl), which "
+                            "carries it, or fix or remove it")
+        if source_iteration(label.source) is None:
+            raise DataError(f"{where}: field 'source' must be iter_N, cold_start or import, "
+                            f"got {label.source!r}")
+        if label.source in held:
+            raise DataError(f"{where}: pair_id {pid} matches no pair of the pool, which holds "
+                            f"every {label.source} pair (a mistyped id, or a label left from "
+                            "data that has since changed: fix or remove it)")
 
 
 def parse_labels(path: str | Path) -> dict[str, AuditLabel]:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 
-from tasks import jsonl, lm, sampling
+from tasks import jsonl, layout, lm, sampling
 from tasks.records import Prompt, Rollout, parse_prompt
 from tasks.schemas.generation import GenerationParams
 
@@ -55,3 +56,32 @@ def sample_rollouts(model: torch.nn.Module | None, tok: transformers.PreTrainedT
         out.append(Rollout(pid, prompt, tuple(ids[i]), s.response_ids, s.logprobs, s.finished,
                            text, policy_version, iteration, gen))
     return out
+
+
+def select_rows(samples: Sequence[Rollout], subjects: Sequence[str],
+                nll: Sequence[float]) -> list[dict[str, Any]]:
+    """One record per select prompt: what the gold evaluator reads of a response."""
+    return [{"prompt_id": s.prompt_id, "subject": subj, "text": s.text, "nll": n}
+            for s, subj, n in zip(samples, subjects, nll)]
+
+
+def select_responses(policy: Any, ref: Any, tok: Any, root: Path, p: Any, it: int,
+                     rng: Any) -> list[dict[str, Any]]:
+    """Policy `it`'s responses to the select prompts (tasks/headtohead.py) with what the gold
+    evaluator reads of each: prompt id, subject, text, mean NLL under the reference `ref`."""
+    path = str(root / layout.PROMPTS_SELECT)
+    prompts = load_prompts(path)
+    if not prompts:
+        return []
+    subject_of = {str(r.get("prompt_id")): str(r.get("subject", "")) for _, r in jsonl.read(path)}
+    samples = sample_rollouts(policy, tok, prompts, 1, p.evaluate.generation,
+                              p.model.max_prompt_tokens, "", it, rng)
+    nll: list[float] = []
+    with torch.no_grad():
+        for s in range(0, len(samples), 32):
+            chunk = samples[s: s + 32]
+            lp, mask = lm.response_logprobs(ref, [x.prompt_ids for x in chunk],
+                                            [x.response_ids for x in chunk], tok.pad_token_id)
+            nll.extend(lm.mean_nll(lp.float(), mask.float()))
+    return select_rows(samples, [subject_of[s.prompt_id] for s in samples], nll)
+

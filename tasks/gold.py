@@ -144,9 +144,3 @@ class GoldEvaluator:
                 for s, sim, n, reg in zip(self.sentiment(responses), sims, nll, registers)]
 
 
-def mean_nll(logprobs: Tensor, mask: Tensor) -> list[float]:
-    """Per-response mean NLL from (B, R) token log-probs and mask; empty responses get +inf
-    (nothing said is not fluent)."""
-    n = mask.sum(-1)
-    total = -(logprobs * mask).sum(-1)
-    return [float(t / k) if k > 0 else float("inf") for t, k in zip(total.tolist(), n.tolist())]

@@ -20,6 +20,7 @@ REPORT_DIR = "report"                    # the report page and its plots (stage 
 
 PROMPTS_TRAIN = "data/prompts/train.jsonl"
 PROMPTS_HELDOUT = "data/prompts/heldout.jsonl"
+PROMPTS_SELECT = "data/prompts/select.jsonl"    # held-out subjects for promotion decisions only
 REFERENCE_SAMPLES = "data/reference/heldout_samples.jsonl"   # the reference on held-out prompts
 BEST_OF_N_SAMPLES = "data/reference/best_of_n_samples.jsonl"  # N more per prompt (baseline)
 IMPORT_DIR = "data/import"
@@ -68,6 +69,11 @@ def pairs(it: int) -> str:
 
 def eval_samples(it: int) -> str:
     return f"data/iter_{it}/eval_samples.jsonl"
+
+
+def select_samples(it: int) -> str:
+    """Policy `it`'s responses to the select prompts (iteration 0: the reference's)."""
+    return f"data/iter_{it}/select_samples.jsonl"
 
 
 def metrics(it: int, stage: str) -> str:

@@ -302,3 +302,11 @@ def sequence_logprob(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     """Summed response log-prob log pi(y|x), shape (B,)."""
     logp, mask = response_logprobs(model, prompts, responses, pad_id)
     return (logp * mask).sum(-1)
+
+
+def mean_nll(logprobs: Tensor, mask: Tensor) -> list[float]:
+    """Per-response mean NLL from (B, R) token log-probs and mask; empty responses get +inf
+    (nothing said is not fluent)."""
+    n = mask.sum(-1)
+    total = -(logprobs * mask).sum(-1)
+    return [float(t / k) if k > 0 else float("inf") for t, k in zip(total.tolist(), n.tolist())]

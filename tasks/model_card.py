@@ -22,7 +22,7 @@ from huggingface_hub import ModelCard, ModelCardData  # transformers imports it 
 from ruamel.yaml import YAML                          # DVC's own YAML loader: same values
 
 from tasks import layout, lm
-from tasks.params import Params
+from tasks.params import Params, prev_of
 
 CARD_FILE = layout.MODEL_CARD
 LINEAGE_URI = {"policy": "models:/alignloop-policy",
@@ -197,10 +197,10 @@ STAGES = {"prepare_model": ("policy", "text-generation"), "update": ("policy", "
           "train_rm": ("reward_model", "text-classification")}
 
 
-def parent_of(stage: str, it: int) -> str | None:
-    """The policy a stage's model starts from: the previous policy (update), the initial
-    model (train_rm's backbone), none (prepare_model)."""
-    return {"update": layout.policy(it - 1), "train_rm": layout.policy(0)}.get(stage)
+def parent_of(stage: str, it: int, prev: int) -> str | None:
+    """The policy a stage's model starts from: the policy of iteration `prev` (update), the
+    initial model (train_rm's backbone), none (prepare_model)."""
+    return {"update": layout.policy(prev), "train_rm": layout.policy(0)}.get(stage)
 
 
 def write_model_card(model_dir: Path, root: Path, stage: str, it: int, p: Params,
@@ -225,6 +225,6 @@ def write_model_card(model_dir: Path, root: Path, stage: str, it: int, p: Params
                      "`tasks.reward_model.load_reward_model` for the rewards the loop used.")
     name = stage if stage == "prepare_model" else f"{stage}@{it}"
     card = Card(name, role, it, model_path, task, base_model(meta), meta, algorithm(p, stage), md5,
-                datasets, judges, {k: float(v) for k, v in metrics.items()}, parent_of(stage, it),
+                datasets, judges, {k: float(v) for k, v in metrics.items()}, parent_of(stage, it, prev_of(p, it)),
                 weights, notes)
     ModelCard(render(card)).save(model_dir / CARD_FILE)

@@ -39,15 +39,18 @@ from tasks.schemas.update import DPOParams, PPOParams, ReuseParams, UpdateParams
 @dataclass(frozen=True)
 class Iteration:
     """One item of the `iterations` mapping: its key names the iteration ("1", "2", ...)."""
-    prev: int                       # the iteration whose policy this one starts from (0 = the
-                                    #   initial model)
+    prev: int                       # the iteration whose policy and pair pool this one starts
+                                    #   from (0 = the initial model and the off-policy pool);
+                                    #   a tick writes the champion's, so a refused iteration is
+                                    #   a branch nothing builds on
 
 
 @dataclass(frozen=True)
 class Params:
     iterations: dict[str, Iteration]  # the DAG is unrolled over these: "1": {prev: 0}, "2": {prev:
-                                    #   1}, ... (the key names the iteration; prev: the one whose
-                                    #   policy it starts from, 0 = the initial model)
+                                    #   1}, ... (the key names the iteration; prev: the earlier one
+                                    #   whose policy and pair pool it starts from, 0 = the initial
+                                    #   model)
     seed: int = 0                   # one seed for the run; every stage derives its RNG from it
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto (cuda when torch sees one) | cpu |
                                     #   cuda: where the torch stages run; bf16 autocast on cuda; a
@@ -187,8 +190,9 @@ def _check_ranges(p: Params, b: _Builder) -> None:
     if keys != [str(k) for k in range(1, len(keys) + 1)]:
         b.fail(("iterations",), f"iterations must be keyed \"1\"..\"N\" in order, got {keys}")
     for key, item in p.iterations.items():
-        if item.prev != int(key) - 1:
-            b.fail(("iterations", key, "prev"), f"prev must be {int(key) - 1}, got {item.prev}")
+        if not 0 <= item.prev < int(key):
+            b.fail(("iterations", key, "prev"), f"prev must be an earlier iteration (0 to "
+                   f"{int(key) - 1}), got {item.prev}")
     positive = {
         ("prompts", "n_train"): p.prompts.n_train, ("prompts", "n_heldout"): p.prompts.n_heldout,
         ("rollout", "samples_per_prompt"): p.rollout.samples_per_prompt,
@@ -339,6 +343,13 @@ def _check_ppo(p: Params, b: _Builder) -> None:
                f"got {list(r.truncate)}")
     if r.max_staleness < 1:
         b.fail(path + ("reuse", "max_staleness"), "must be >= 1")
+
+
+def prev_of(params: Any, it: int) -> int:
+    """Iteration `it`'s `prev` as params.yaml declares it (dvc.yaml's `${item.prev}`: the DAG's
+    shape, which every stage may read); it - 1 for an iteration the params do not list."""
+    item = params.iterations.get(str(it)) if it > 0 else None
+    return item.prev if item is not None else max(it - 1, 0)
 
 
 def iteration_numbers(p: Params) -> list[int]:

@@ -156,6 +156,15 @@ def _kl_cell(row: Row) -> str:
                           else "")
 
 
+def _champion_cell(row: Row) -> str:
+    """Gold against the champion the iteration started from, on the select prompts (what the
+    gate decided on; the gold column is on held-out prompts no decision reads)."""
+    it = value(row, "eval/champion_iteration")
+    if it is None:
+        return "—"
+    return f"{_win_rate(row, 'eval/champion_gold_win_rate')} vs it. {int(it)}"
+
+
 def _gate_cell(row: Row) -> str:
     gate = row.get("gate")
     if not gate:
@@ -167,6 +176,7 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str]], ...] = (
     ("iteration", lambda r: str(r["iteration"])),
     ("judge WR [95% CI]", lambda r: _win_rate(r, JUDGE)),
     ("gold WR [95% CI]", lambda r: _win_rate(r, GOLD)),
+    ("gold vs champion [95% CI] (select)", _champion_cell),
     ("judge n / tie / invalid", _counts),
     ("RM WR [95% CI]", lambda r: _win_rate(r, "eval/rm_win_rate")),
     ("KL k1 (nats)", _kl_cell),

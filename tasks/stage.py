@@ -31,7 +31,7 @@ if os.environ.get("ALIGNLOOP_CLI_PID") not in (None, str(os.getpid())):
 
 from tasks import atomic, layout  # noqa: E402
 from tasks.errors import InputError  # noqa: E402
-from tasks.params import Params, load_params  # noqa: E402
+from tasks.params import Params, load_params, prev_of  # noqa: E402,F401 (prev_of: for stages)
 
 if TYPE_CHECKING:                   # imported where a stage uses it: not by every stage
     import torch
@@ -87,7 +87,8 @@ class Declared:
     """A read-only view of a params object (Params, or a section of it) that answers only the
     keys `contract` declares: a declared key, or a section under a declared one, is the params'
     own value; a section some of whose keys are declared is a view again; anything else raises
-    UndeclaredParam naming the stage and the key."""
+    UndeclaredParam naming the stage and the key. `iterations` is always answered: it is the
+    DAG's shape (dvc.yaml's foreach), which names the stage's inputs, not a setting it reads."""
     __slots__ = ("_value", "_contract", "_path")
 
     def __init__(self, value: object, contract: Contract, path: tuple[str, ...] = ()) -> None:
@@ -96,7 +97,7 @@ class Declared:
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._value, name)
         path = self._path + (name,)
-        if self._contract.declares(".".join(path)):
+        if path == ("iterations",) or self._contract.declares(".".join(path)):
             return value
         if any(k[:len(path)] == path for k in self._contract.keys):
             return Declared(value, self._contract, path)
@@ -116,6 +117,11 @@ class StageArgs:
     it: int
     device: Any = None    # params.device resolved (tasks/device.py); the CPU for a stage that
                           # uses torch without declaring it; None for one without torch
+
+    @property
+    def prev(self) -> int:
+        """The iteration whose policy (and pair pool) this one starts from."""
+        return prev_of(self.params, self.it)
 
 
 def parse(argv: list[str] | None, description: str, contract: Contract) -> StageArgs:

@@ -107,10 +107,13 @@ def test_missing_iteration_item_key(tmp_path: Path) -> None:
     assert msg.startswith(f"{path}:4: iterations.2.prev: missing required key"), msg
 
 
-def test_bad_prev(tmp_path: Path) -> None:
-    path = write(tmp_path, BASE.replace('  "2": {prev: 1}\n', '  "2": {prev: 0}\n'))
+def test_prev_names_an_earlier_iteration(tmp_path: Path) -> None:
+    ok = write(tmp_path, BASE.replace('  "2": {prev: 1}\n', '  "2": {prev: 0}\n'))
+    assert load_params(ok).iterations["2"].prev == 0      # a branch from the initial model
+    path = write(tmp_path, BASE.replace('  "2": {prev: 1}\n', '  "2": {prev: 2}\n'))
     msg = load_error(path)
-    assert msg.startswith(f"{path}:4: iterations.2.prev: prev must be 1, got 0"), msg
+    assert msg.startswith(f"{path}:4: iterations.2.prev: prev must be an earlier iteration "
+                          "(0 to 1), got 2"), msg
 
 
 def test_missing_iterations(tmp_path: Path) -> None:

@@ -300,10 +300,16 @@ def test_audit_label_with_an_unknown_pair_id_is_an_error_naming_file_and_line(
             f"{path}:2: pair_id {'0' * 32} matches no pair of the pool, which holds every "
             "iter_2 pair")):
         audit.apply_audit(pool, audit.parse_labels(path))
-    # a later iteration's label, or one without a source, may be for a pair still to come
+    # without a source nothing tells a pair still to come from a mistyped id: refused too
+    path.write_text(json.dumps({"pair_id": known, "verdict": "swap", "source": "iter_1"}) + "\n"
+                    + json.dumps({"pair_id": "2" * 32, "verdict": "drop"}) + "\n")
+    with pytest.raises(DataError, match="^" + re.escape(
+            f"{path}:2: pair_id {'2' * 32} matches no pair of the pool, and the label has no "
+            "'source'")):
+        audit.apply_audit(pool, audit.parse_labels(path))
+    # a source the pool does not hold: a later iteration's pair (or a refused branch's)
     path.write_text(json.dumps({"pair_id": "1" * 32, "verdict": "drop", "source": "iter_3"})
-                    + "\n" + json.dumps({"pair_id": "2" * 32, "verdict": "drop"}) + "\n"
-                    + json.dumps({"pair_id": known, "verdict": "swap", "source": "iter_1"}))
+                    + "\n" + json.dumps({"pair_id": known, "verdict": "swap"}) + "\n")
     out, m = audit.apply_audit(pool, audit.parse_labels(path))
-    assert m["rm/audit_n"] == 1 and m["rm/audit_n_unmatched"] == 2
+    assert m["rm/audit_n"] == 1 and m["rm/audit_n_unmatched"] == 1
     assert out[1].chosen == "bad 1"

@@ -131,7 +131,7 @@ def test_audit_override_flips_one_pair_and_drops_another(tmp_path: Path) -> None
         {"pair_id": ids[1], "verdict": "swap", "note": "the judge liked the sarcasm"},
         {"pair_id": ids[2], "verdict": "drop", "reason": "random"},
         {"pair_id": ids[3], "verdict": "chosen_ok", "reason": "random"},
-        {"pair_id": "f" * 32, "verdict": "drop"}))            # not in this pool: ignored
+        {"pair_id": "f" * 32, "verdict": "drop", "source": "iter_9"}))  # a later pair: counted
     out, m = audit.apply_audit(pool, labels)
     assert [(p.chosen, p.rejected) for p in out] == [("great 0", "bad 0"), ("bad 1", "great 1"),
                                                      ("great 3", "bad 3")]

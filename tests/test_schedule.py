@@ -39,8 +39,10 @@ def test_append_iteration_keeps_comments_and_numbering():
     new, k = append_iteration(text)
     assert k == 3
     assert iteration_numbers(parse_params(new)) == [1, 2, 3]
-    assert new.count("#") == text.count("#")
-    assert '  "3": {prev: 2}\n' in new
+    assert new.count("#") == text.count("#") + 1
+    assert '  "3": {prev: 2}   # the champion\'s\n' in new
+    new, k = append_iteration(new, prev=1)            # 3 was not promoted: 4 builds on 1
+    assert parse_params(new).iterations["4"].prev == 1
 
 
 @pytest.mark.slow      # two whole extra iterations through the CLI: minutes

@@ -452,7 +452,10 @@ def run_failing(main: Callable[[list[str] | None], None], root: Path,
      '{"prompt": "Review Heat.", "chosen": "Great."\n', ":2: invalid JSON"),
     ('{"prompt": "Review Jaws.", "chosen": "Great.", "rejected": "Bad."}\n\n'
      '{"prompt": "Review Heat.", "rejected": "Bad."}\n', ":3: missing field 'chosen'"),
-], ids=["invalid-json", "missing-field"])
+    ('{"prompt": "Review Jaws.", "chosen": "Great.", "rejected": "Bad."}\n'
+     '{"prompt": "Review Heat.", "chosen": "Fine.", "rejected": "Fine."}\n',
+     ":2: fields 'chosen' and 'rejected' are the same response (no preference)"),
+], ids=["invalid-json", "missing-field", "chosen-equals-rejected"])
 def test_malformed_import_exits_2_names_file_line_and_keeps_the_pool(
         ws: Workspace, tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
         expected: str) -> None:

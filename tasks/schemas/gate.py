@@ -11,4 +11,11 @@ class GateParams:
     min_gold_win_rate: float = 0.0  # gold evaluator's win rate, at least (0 = not checked;
                                     #   promotion only, never training)
     max_kl: float = 1e9             # KL(policy || reference) per response, at most
+    min_champion_gold_win_rate: float = 0.5  # gold win rate against the champion the candidate
+                                    #   starts from, on the select prompts (ties half), MORE than
+                                    #   this: the default promotes only a candidate with more
+                                    #   wins than losses head-to-head; its 95% interval is
+                                    #   reported, not required (on ~100 prompts it spans ~0.2).
+                                    #   Not checked when the workspace has no select prompts
+                                    #   (prompts.n_select: 0); < 0 = not checked
     block_on_hacking_flag: bool = True  # a reward-hacking flag from evaluate blocks promotion

@@ -44,12 +44,15 @@ def import_pairs(path: Path, root: Path | None = None) -> list[PreferencePair]:
         more = len(res.errors) - 1
         raise DataError(res.errors[0] + (f" (and {more} more bad rows: `alignloop import "
                                           f"{path}` lists them)" if more else ""))
+    if res.identical:               # no preference: `alignloop import` leaves such rows out
+        more = len(res.identical) - 1
+        raise DataError(f"{res.identical[0]}: fields 'chosen' and 'rejected' are the same "
+                        "response (no preference)" + (f"; and {more} more rows" if more else "")
+                        + f": `alignloop import {path}` writes the file without them")
     if not res.pairs:
-        raise DataError(f"{path}: no preference pairs"
-                        + (f" ({len(res.identical)} rows with chosen == rejected)"
-                           if res.identical else ""))
+        raise DataError(f"{path}: no preference pairs")
     stage.say(f"collect_offpolicy: {res.rows} rows, {len(res.pairs)} pairs, {res.duplicates} "
-              f"duplicates dropped, {len(res.identical)} with chosen == rejected refused")
+              "duplicates dropped")
     return res.pairs
 
 

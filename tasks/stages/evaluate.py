@@ -6,6 +6,10 @@ counts, tie and invalid rates); on-topic rates and fluency (reference NLL) of bo
 judge score of both; KL(policy || reference) per response; response lengths; the Best-of-N
 baseline (the reference's N samples reranked by this iteration's RM, analytic KL
 log N - (N-1)/N); and the reward-hacking monitors. One metrics JSON plus the paired samples.
+
+And the candidate against the champion it starts from (`prev`), by gold on the select prompts
+(tasks/headtohead.py): what the gate's promotion decision reads, kept apart from the held-out
+figures above, which no decision reads.
 """
 from __future__ import annotations
 
@@ -19,9 +23,10 @@ from typing import Any
 
 import torch
 
-from tasks import jsonl, layout, lm
-from tasks.generation import load_prompts, sample_rollouts
-from tasks.gold import GoldEvaluator, GoldScore, gold_verdict, mean_nll
+from tasks import headtohead, jsonl, layout, lm
+from tasks.lm import mean_nll
+from tasks.generation import load_prompts, sample_rollouts, select_responses
+from tasks.gold import GoldEvaluator, GoldScore, gold_verdict
 from tasks.jsonl import DataError
 from tasks.judges import (BUILD_KEYS, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
                           judge_pair, judge_pairs, make_judge, position_flipped)
@@ -40,8 +45,9 @@ CONTRACT = stage.Contract(
     deps=lambda it, prev: ("${evaluate.gold.register_examples_file}", layout.JUDGE_TEMPLATES,
                            layout.PROMPTS_HELDOUT, layout.REFERENCE_SAMPLES,
                            layout.BEST_OF_N_SAMPLES, layout.policy(it), layout.reward_model(it),
-                           layout.policy(0)),
-    outs=lambda it, prev: (layout.eval_samples(it),),
+                           layout.policy(0), layout.PROMPTS_SELECT, layout.select_samples(0),
+                           layout.select_samples(prev)),
+    outs=lambda it, prev: (layout.eval_samples(it), layout.select_samples(it)),
     metrics=lambda it, prev: (layout.metrics(it, "evaluate"),))
 
 
@@ -277,14 +283,19 @@ def evaluate_samples(p: Params, pol: Sequence[Rollout], refs: Sequence[Rollout],
 
 
 def summary(it: int, m: dict[str, float]) -> str:
-    """The stage's one line: the judge's and gold's win rates, on-topic, reviews, KL."""
+    """The stage's one line: the judge's and gold's win rates, on-topic, reviews, KL, and gold
+    against the champion on the select prompts."""
+    vs = (f"; vs the champion (iteration {int(m['eval/champion_iteration'])}) "
+          f"{m['eval/champion_gold_win_rate']:.3f} [{m['eval/champion_gold_win_rate_ci_low']:.3f}"
+          f", {m['eval/champion_gold_win_rate_ci_high']:.3f}]"
+          if "eval/champion_gold_win_rate" in m else "")
     return (f"evaluate@{it}: judge win rate {m['eval/win_rate']:.3f} "
             f"[{m['eval/win_rate_ci_low']:.3f}, {m['eval/win_rate_ci_high']:.3f}], "
             f"gold {m['eval/gold_win_rate']:.3f} [{m['eval/gold_win_rate_ci_low']:.3f}"
             f", {m['eval/gold_win_rate_ci_high']:.3f}], on-topic "
             f"{m['eval/on_topic_rate']:.2f} (ref {m['eval/ref_on_topic_rate']:.2f}), "
             f"reviews {m['eval/review_rate']:.2f} (ref {m['eval/ref_review_rate']:.2f}), "
-            f"KL {m['eval/kl']:.3f}")
+            f"KL {m['eval/kl']:.3f}{vs}")
 
 
 def read_heldout(root: Path, n: int) -> tuple[list[tuple[str, Prompt]], list[str]]:
@@ -320,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
                           p.evaluate.workers, pol_dir)
     refs = read_references(root, prompts)
     logp = LogProbs.of(policy, ref, pol, refs, gen, tok.pad_token_id)
+    select = select_responses(policy, ref, tok, root, p, it,
+                                         stage.generator(p.seed, 9, it))
     del policy
     judge = make_judge(p.judge, root, args.device)   # built once: an llm judge loads a model
     gold = GoldEvaluator(p.evaluate.gold, root, args.device)
@@ -328,6 +341,14 @@ def main(argv: list[str] | None = None) -> None:
     candidates = read_samples(bon_path) if p.evaluate.best_of_n.n > 0 else []
     metrics, rows = evaluate_samples(p, pol, refs, subjects, logp, judge, gold, rm,
                                      candidates, bon_path, tok.pad_token_id)
+    if select:                  # against the champion it starts from, on the select prompts
+        ids = [r["prompt_id"] for r in select]
+        for opponent, prefix in ((args.prev, "eval/champion_gold_"), (0, "eval/select_gold_")):
+            rows_of = headtohead.read(str(root / layout.select_samples(opponent)), ids)
+            metrics.update(headtohead.compare(gold, gold_verdict, select, rows_of,
+                                              p.evaluate.bootstrap, p.seed, prefix))
+        metrics["eval/champion_iteration"] = float(args.prev)
+    jsonl.write(root / layout.select_samples(it), select)
     jsonl.write(root / layout.eval_samples(it), rows)
     stage.write_metrics(root, layout.metrics(it, "evaluate"), metrics)
     stage.say(summary(it, metrics))

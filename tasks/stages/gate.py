@@ -30,9 +30,15 @@ def decide(metrics: dict[str, float], p: GateParams) -> dict[str, Any]:
             (metrics.get("eval/win_rate_ci_low"), p.min_win_rate_ci_low, lambda v, t: v >= t),
         "eval/kl <= max_kl": (metrics.get("eval/kl"), p.max_kl, lambda v, t: v <= t),
     }
-    if p.min_gold_win_rate > 0:      # the held-out gold evaluator decides promotion too
-        checks["eval/gold_win_rate >= min_gold_win_rate"] = (
-            metrics.get("eval/gold_win_rate"), p.min_gold_win_rate, lambda v, t: v >= t)
+    if p.min_champion_gold_win_rate >= 0 and "eval/champion_gold_win_rate" in metrics:
+        checks["eval/champion_gold_win_rate > min_champion_gold_win_rate"] = (
+            metrics["eval/champion_gold_win_rate"], p.min_champion_gold_win_rate,
+            lambda v, t: v > t)
+    if p.min_gold_win_rate > 0:      # the gold evaluator decides promotion too: on the select
+        key = ("eval/select_gold_win_rate" if "eval/select_gold_win_rate" in metrics  # prompts
+               else "eval/gold_win_rate")    # (a workspace without them: the held-out ones)
+        checks[f"{key} >= min_gold_win_rate"] = (metrics.get(key), p.min_gold_win_rate,
+                                                 lambda v, t: v >= t)
     out: dict[str, Any] = {"checks": {}, "reasons": []}
     for name, (value, threshold, ok) in checks.items():
         passed = value is not None and value == value and ok(value, threshold)

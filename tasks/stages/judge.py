@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     jp = args.params.judge
     judge = make_judge(jp, root, args.device)
     pairs, new, metrics = judge_all(judge, groups, f"iter_{it}", jp, root)
-    pool_path = str(root / layout.pairs_pool(it - 1))
+    pool_path = str(root / layout.pairs_pool(args.prev))
     pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
     labels_path = root / layout.AUDIT_LABELS
     audit.ensure_labels_file(labels_path)

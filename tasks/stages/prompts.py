@@ -1,7 +1,9 @@
-"""Stage `prompts`: build the train and held-out prompt sets from versioned text files.
+"""Stage `prompts`: build the train, held-out and select prompt sets from versioned text files.
 
 Each subject (a movie) is paired with one instruction template; train and held-out prompts are
-about disjoint subjects, so evaluation asks about movies the policy was never trained on.
+about disjoint subjects, so evaluation asks about movies the policy was never trained on. The
+select prompts (promotion decisions only) are about the subjects left over, each asked with
+several templates when there are fewer subjects than prompts.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from tasks.schemas.prompts import PromptParams
 CONTRACT = stage.Contract(
     "prompts", params=("seed", "prompts"),
     deps=lambda it, prev: ("${prompts.subjects_file}", "${prompts.templates_file}"),
-    outs=lambda it, prev: (layout.PROMPTS_TRAIN, layout.PROMPTS_HELDOUT))
+    outs=lambda it, prev: (layout.PROMPTS_TRAIN, layout.PROMPTS_HELDOUT, layout.PROMPTS_SELECT))
 
 
 def read_lines(path: Path) -> list[str]:
@@ -55,6 +57,32 @@ def build_prompts(subjects: Sequence[str], templates: Sequence[str], p: PromptPa
     return records[: p.n_train], records[p.n_train:]
 
 
+def build_select(subjects: Sequence[str], templates: Sequence[str], p: PromptParams,
+                 seed: int) -> list[dict[str, Any]]:
+    """The select prompts: the subjects neither train nor held-out uses (the same shuffle),
+    each with distinct templates, round-robin; their own RNG, so train and held-out are the
+    same with or without them."""
+    if p.n_select == 0:
+        return []
+    rng = random.Random(seed)
+    order = sorted(set(subjects))
+    rng.shuffle(order)
+    left = order[p.n_train + p.n_heldout:]
+    if len(left) * len(templates) < p.n_select:
+        raise DataError(f"{p.subjects_file}: {len(left)} subjects left after train and "
+                        f"held-out, with {len(templates)} templates at most "
+                        f"{len(left) * len(templates)} select prompts; n_select is {p.n_select}")
+    pick = random.Random(f"{seed}/select")
+    per_subject = {s: pick.sample(range(len(templates)), len(templates)) for s in left}
+    out = []
+    for i in range(p.n_select):
+        subject = left[i % len(left)]
+        template = templates[per_subject[subject][i // len(left)]]
+        out.append({"prompt_id": f"s{i:05d}", "subject": subject,
+                    "prompt": [{"role": "user", "content": template.format(movie=subject)}]})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "", CONTRACT)
     p = args.params.prompts
@@ -66,7 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     train, heldout = build_prompts(subjects, templates, p, args.params.seed)
     jsonl.write(args.root / layout.PROMPTS_TRAIN, train)
     jsonl.write(args.root / layout.PROMPTS_HELDOUT, heldout)
-    stage.say(f"prompts: {len(train)} train, {len(heldout)} held-out")
+    select = build_select(subjects, templates, p, args.params.seed)
+    jsonl.write(args.root / layout.PROMPTS_SELECT, select)
+    stage.say(f"prompts: {len(train)} train, {len(heldout)} held-out, {len(select)} select")
 
 
 if __name__ == "__main__":

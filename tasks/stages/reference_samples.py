@@ -2,21 +2,24 @@
 once and shared by every iteration's evaluation (same prompts, same draws: comparable rounds).
 
 With `evaluate.best_of_n.n` > 0 it also draws N more samples for the first
-`best_of_n.n_prompts` prompts: the Best-of-N baseline, reranked by each iteration's RM."""
+`best_of_n.n_prompts` prompts: the Best-of-N baseline, reranked by each iteration's RM. Its
+responses to the select prompts are iteration 0's (tasks/headtohead.py): what iteration 1's
+candidate meets head-to-head."""
 from __future__ import annotations
 
 from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
 from tasks import jsonl, layout, lm
-from tasks.generation import load_prompts, sample_rollouts
+from tasks.generation import load_prompts, sample_rollouts, select_responses
 
 
 CONTRACT = stage.Contract(
     "reference_samples",
     params=("device", "seed", "model.max_prompt_tokens", "evaluate.n_prompts",
             "evaluate.generation", "evaluate.best_of_n"),
-    deps=lambda it, prev: (layout.PROMPTS_HELDOUT, layout.policy(0)),
-    outs=lambda it, prev: (layout.REFERENCE_SAMPLES, layout.BEST_OF_N_SAMPLES))
+    deps=lambda it, prev: (layout.PROMPTS_HELDOUT, layout.PROMPTS_SELECT, layout.policy(0)),
+    outs=lambda it, prev: (layout.REFERENCE_SAMPLES, layout.BEST_OF_N_SAMPLES,
+                           layout.select_samples(0)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,8 +37,10 @@ def main(argv: list[str] | None = None) -> None:
                                  p.model.max_prompt_tokens, lm.weights_md5(ref_dir), 0,
                                  stage.generator(p.seed, 6)) if bon.n > 0 else []
     jsonl.write(root / layout.BEST_OF_N_SAMPLES, (s.to_record() for s in candidates))
+    select = select_responses(ref, ref, tok, root, p, 0, stage.generator(p.seed, 8))
+    jsonl.write(root / layout.select_samples(0), select)
     stage.say(f"reference_samples: {len(samples)} reference responses to held-out prompts, "
-              f"{len(candidates)} Best-of-{bon.n} candidates")
+              f"{len(candidates)} Best-of-{bon.n} candidates, {len(select)} to select prompts")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def rollout_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "", CONTRACT)
     p, it = args.params, args.it
-    policy_dir = args.root / layout.policy(it - 1)
+    policy_dir = args.root / layout.policy(args.prev)
     tok = lm.load_tokenizer(policy_dir)
     # with Ray workers each loads its own replica: the stage process needs none
     model = lm.load_causal_lm(policy_dir, args.device) if p.rollout.workers == 1 else None
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     jsonl.write(args.root / layout.rollouts(it), (r.to_record() for r in rollouts))
     metrics = rollout_metrics(rollouts)
     stage.write_metrics(args.root, layout.metrics(it, "rollout"), metrics)
-    stage.say(f"rollout@{it}: {len(rollouts)} samples from {layout.policy(it - 1)}")
+    stage.say(f"rollout@{it}: {len(rollouts)} samples from {layout.policy(args.prev)}")
 
 
 if __name__ == "__main__":

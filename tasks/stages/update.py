@@ -47,7 +47,7 @@ CONTRACT = stage.Contract(
 
 def reference_dir(p: Params, it: int) -> str:
     return layout.policy(0) if conditions.holds("update_reads_initial_policy", p) else \
-        layout.policy(it - 1)
+        layout.policy(stage.prev_of(p, it))
 
 
 Writer = Callable[[Path], None]   # writes an extra file into the new policy directory
@@ -82,7 +82,7 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
         onpolicy = encode([parse_pair(rec, path, n, f"iter_{it}") for n, rec in jsonl.read(path)])
     offpolicy = []
     if conditions.holds("update_reads_pair_pool", p):   # a share of the previous pool
-        pool_path = str(root / layout.pairs_pool(it - 1))
+        pool_path = str(root / layout.pairs_pool(stage.prev_of(p, it)))
         pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
         pick = offpolicy_indices(len(onpolicy), len(pool), d.offpolicy_mix,
                                  stage.generator(p.seed, 7, it))
@@ -125,7 +125,7 @@ def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
     On several ranks rank 0 scores the rollouts and shares the scores."""
     q, pad = p.update.ppo, tok.pad_token_id  # type: ignore[attr-defined]
     rollouts = _read_rollouts(root / layout.rollouts(it))
-    prev_dir = root / layout.policy(it - 1)
+    prev_dir = root / layout.policy(stage.prev_of(p, it))
     reused = _read_rollouts(prev_dir / REPLAY_FILE) if q.reuse.iterations_back >= 1 else []
     rm_dir = root / layout.reward_model(it)
     device = device_of(policy)
@@ -165,7 +165,7 @@ def write_policy(policy: torch.nn.Module, tok: object, p: Params, root: Path, it
             atomic.write_json(tmp / layout.TRAINING_CURVE, list(result.curve))
         atomic.write_json(tmp / layout.MODEL_META, {
             "iteration": it, "role": "policy", "algo": p.update.algo,
-            "parent": layout.policy(it - 1), "reference": reference_dir(p, it)})
+            "parent": layout.policy(stage.prev_of(p, it)), "reference": reference_dir(p, it)})
         mlflow_model.write_mlflow_model(tmp, mlflow_model.CHAT, {"model_path": layout.policy(it)})
         model_card.write_model_card(tmp, root, "update", it, p, metrics)
     stage.write_metrics(root, layout.metrics(it, "update"), metrics)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     group = distributed.enter("tasks.stages.update", argv, p.update.processes)
     if group is None:                         # ran on N ranks under torchrun
         return
-    start_dir = root / layout.policy(it - 1)
+    start_dir = root / layout.policy(args.prev)
     policy, tok = lm.load_causal_lm(start_dir, args.device), lm.load_tokenizer(start_dir)
     ref = lm.load_causal_lm(root / reference_dir(p, it), args.device)
     for q in ref.parameters():
