@@ -33,7 +33,8 @@ CONDITIONS: dict[str, Callable[[Any], bool]] = {
     # update@k: the previous pair pool (DPO with offpolicy_mix > 0)
     "update_reads_pair_pool": lambda p: p.update.algo == "dpo" and p.update.dpo.offpolicy_mix > 0,
     # update@k: iteration 0's model as the reference
-    "update_reads_initial_policy": lambda p: p.update.reference == "initial",
+    "update_reads_initial_policy": lambda p: (p.update.reference == "initial"   # the reference,
+                                              or p.update.kl_budget.total > 0),  # or the budget's
 }
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from tasks import lm, progress
 from tasks.device import device_of
 from tasks.distributed import SINGLE, Group, record_losses
+from tasks.kl_budget import KLGuard, Snapshot
 from tasks.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES, dpo_implicit_rewards
 from tasks.records import Rollout
 from tasks.reward_model import EncodedPair, RewardModel, reward_mean_std
@@ -81,7 +82,8 @@ def _batch_terms(policy: torch.nn.Module, pairs: Sequence[EncodedPair], idx: Ten
 def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[EncodedPair],
               p: DPOParams, pad_id: int, rng: torch.Generator,
               weights: Tensor | None = None, group: Group = SINGLE,
-              curve: list[dict[str, float]] | None = None) -> dict[str, float]:
+              curve: list[dict[str, float]] | None = None,
+              guard: KLGuard | None = None) -> dict[str, float]:
     """Optimise the policy in place on the pairs; returns `update/` metrics, and appends one
     record per optimiser step to `curve` (loss, implicit-reward accuracy and margin, the mean
     log-ratio log pi/pi_ref of the pair's responses, the chosen NLL, the learning rate).
@@ -90,6 +92,10 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
     Implicit rewards and their accuracy are measured on the quantities the loss sees (per-token
     means for IPO), before each step. On several ranks (`group`) each takes its shard of every
     global batch and the gradients are summed (tasks/distributed.py): the same steps.
+
+    With a `guard` (tasks/kl_budget.py) the KL to the reference is measured before the first
+    step and every `check_every` steps; at the first measurement past the target the weights of
+    the last one within it are restored and training stops (every rank measures the same).
     """
     if not pairs:
         return {"update/steps": 0.0, "update/n_pairs": 0.0}
@@ -102,11 +108,20 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
                                           p.loss in LENGTH_NORMALISED_LOSSES, group)  # (N,)
     opt = torch.optim.AdamW(policy.parameters(), lr=p.lr, weight_decay=0.0)
     losses, accs, margins, nlls = [], [], [], []
+    snapshot, stopped_at = None, None
+    if guard is not None:
+        guard.begin()
+        if guard.start >= guard.target:          # no room left: the start is kept as it is
+            return {"update/steps": 0.0, "update/n_pairs": float(len(pairs)),
+                    **guard.metrics(stopped_at=0)}
+        snapshot = Snapshot(policy)
     pg = progress.track(p.epochs * -(-len(pairs) // p.batch_size), "steps", "pairs")
     policy.train()
     for _ in range(p.epochs):
         order = torch.randperm(len(pairs), generator=rng)  # cpu: its generator; every rank
         for s in range(0, len(order), p.batch_size):
+            if stopped_at is not None:
+                break
             batch = order[s: s + p.batch_size]
             idx = group.shard(batch)                          # all of it on one process
             opt.zero_grad()
@@ -130,10 +145,27 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
                               "logratio": logratio, "chosen_nll": nll_mean,
                               "lr": opt.param_groups[0]["lr"]})
             pg.step(1, work=len(batch))
+            if guard is not None and snapshot is not None and (
+                    len(losses) % guard.budget.check_every == 0):
+                if guard.within(len(losses)):
+                    snapshot.take()
+                else:                                 # past the target: back to the last state
+                    snapshot.restore()                # within it, and stop
+                    stopped_at = len(losses)
+        if stopped_at is not None:
+            break
     pg.close()
+    if guard is not None and snapshot is not None and stopped_at is None and \
+            len(losses) % guard.budget.check_every != 0:          # the steps since the last check
+        if guard.within(len(losses)):
+            snapshot.take()
+        else:
+            snapshot.restore()
+            stopped_at = len(losses)
     policy.eval()
     record_losses(group, losses, time.perf_counter() - t0)
-    return {"update/steps": float(len(losses)), "update/n_pairs": float(len(pairs)),
+    kl = guard.metrics(stopped_at) if guard is not None else {}
+    return {**kl, "update/steps": float(len(losses)), "update/n_pairs": float(len(pairs)),
             "update/loss_first": losses[0], "update/loss_last": losses[-1],
             "update/reward_accuracy_last": accs[-1], "update/reward_margin_last": margins[-1],
             "update/reward_accuracy_mean": sum(accs) / len(accs),

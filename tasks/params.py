@@ -33,7 +33,8 @@ from tasks.schemas.prompts import PromptParams  # noqa: F401
 from tasks.schemas.rollout import RolloutParams  # noqa: F401
 from tasks.schemas.targets import TargetParams  # noqa: F401
 from tasks.schemas.train_rm import TrainRMParams  # noqa: F401
-from tasks.schemas.update import DPOParams, PPOParams, ReuseParams, UpdateParams  # noqa: F401
+from tasks.schemas.update import (DPOParams, KLBudgetParams, PPOParams,  # noqa: F401
+                                  ReuseParams, UpdateParams)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,19 @@ class DPOParams:
 
 
 @dataclass(frozen=True)
+class KLBudgetParams:
+    """KL(policy || initial model) per response, kept while the update trains (tasks/kl_budget.py:
+    measured every check_every steps, training stopped at the last state within the target)."""
+    total: float = 0.0              # never more than this (0 = no budget); under gate.max_kl, so
+                                    #   no candidate is refused for its KL
+    per_iteration: float = 0.0      # at most this much more than the policy the iteration starts
+                                    #   from (0 = only the total)
+    check_every: int = 4            # optimiser steps between measurements
+    n_prompts: int = 32             # distinct training prompts sampled per measurement (the
+                                    #   estimate's noise falls as 1/sqrt(n))
+
+
+@dataclass(frozen=True)
 class ReuseParams:
     """Off-policy reuse of earlier iterations' rollouts, reweighted by truncated pi/mu."""
     iterations_back: int = 0        # 0 = on-policy only | 1 = also the previous iteration's
@@ -78,3 +91,5 @@ class UpdateParams:
                                     #   global batch)
     dpo: DPOParams = field(default_factory=DPOParams)
     ppo: PPOParams = field(default_factory=PPOParams)
+    kl_budget: KLBudgetParams = field(default_factory=KLBudgetParams)  # DPO: early stop at a KL
+                                    #   target (PPO keeps its kl_coef and target_kl)

@@ -24,6 +24,7 @@ from tasks import (atomic, conditions, distributed, jsonl, layout, lm, mlflow_mo
 from tasks.device import device_of
 from tasks.distributed import SINGLE, Group
 from tasks.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
+from tasks.kl_budget import KLGuard, guard_prompts
 from tasks.params import Params
 from tasks.ppo import REPLAY_FILE, train_ppo
 from tasks.records import Rollout, parse_pair, parse_rollout
@@ -33,7 +34,8 @@ from tasks.reward_model import encode_pairs, load_reward_model, load_stats, rewa
 CONTRACT = stage.Contract(
     "update",
     params=("device", "seed", "model.max_prompt_tokens", "update",
-            "offpolicy.source"),      # update.dpo.offpolicy_mix: auto resolves by it
+            "offpolicy.source",       # update.dpo.offpolicy_mix: auto resolves by it
+            "evaluate.generation"),   # the KL budget samples as the evaluation does
     deps=lambda it, prev: (layout.pairs(it), layout.rollouts(it), layout.pairs_pool(prev),
                            layout.reward_model(it), layout.policy(0), layout.policy(prev)),
     outs=lambda it, prev: (layout.policy(it),),
@@ -46,7 +48,7 @@ CONTRACT = stage.Contract(
 
 
 def reference_dir(p: Params, it: int) -> str:
-    return layout.policy(0) if conditions.holds("update_reads_initial_policy", p) else \
+    return layout.policy(0) if p.update.reference == "initial" else \
         layout.policy(stage.prev_of(p, it))
 
 
@@ -90,13 +92,29 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
     weights = torch.tensor([1.0] * len(onpolicy) + [d.offpolicy_weight] * len(offpolicy),
                            device=device_of(policy))
     curve: list[dict[str, float]] = []
+    guard = kl_guard(policy, ref, tok, p, root, [x.prompt_ids for x in onpolicy],
+                     stage.generator(p.seed, 10, it))
     metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, d, pad, rng, weights, group,
-                             curve))
+                             curve, guard))
     metrics.update({"update/bf16": float(lm.effective_precision(d.precision, device_of(policy)) == "bf16"),
                     "update/n_onpolicy_pairs": float(len(onpolicy)),
                     "update/n_offpolicy_pairs": float(len(offpolicy)),
                     "update/offpolicy_weight": d.offpolicy_weight})
     return UpdateResult(metrics, curve=tuple(curve))
+
+
+def kl_guard(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
+             prompts: list[tuple[int, ...]], rng: torch.Generator) -> KLGuard | None:
+    """The KL budget's guard (tasks/kl_budget.py) on this iteration's on-policy prompts, against
+    the initial model (the DPO reference unless `update.reference: previous`); None when the
+    profile sets no budget."""
+    b = p.update.kl_budget
+    if b.total <= 0:
+        return None
+    initial = ref if p.update.reference == "initial" else \
+        lm.load_causal_lm(root / layout.policy(0), device_of(policy))
+    return KLGuard(policy, initial, guard_prompts(prompts, b.n_prompts), p.evaluate.generation,
+                   b, tok.eos_token_id, tok.pad_token_id, rng)  # type: ignore[attr-defined]
 
 
 def _scores(rm: torch.nn.Module, stats: dict[str, float], rollouts: list[Rollout],

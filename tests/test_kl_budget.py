@@ -1,0 +1,114 @@
+"""The KL budget (tasks/kl_budget.py): DPO stops at the last state within its KL target, with
+those weights restored; the measurement is the evaluation's k1 estimate."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from tasks.dpo import train_dpo
+from tasks.kl_budget import KLGuard, guard_prompts
+from tasks.reward_model import EncodedPair
+from tasks.schemas.generation import GenerationParams
+from tasks.schemas.model import TinyModelParams
+from tasks.schemas.update import DPOParams, KLBudgetParams
+from tasks.tiny_model import build_tiny_model
+
+VOCAB = 64
+SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_tiny_model(TinyModelParams(), VOCAB, SPECIAL, 0)
+
+
+def _pairs(n: int = 16) -> list[EncodedPair]:
+    g = torch.Generator().manual_seed(3)
+    ids = lambda k: tuple(int(x) for x in torch.randint(3, VOCAB, (k,), generator=g))  # noqa: E731
+    return [EncodedPair(ids(5), ids(6) + (2,), ids(6) + (2,)) for _ in range(n)]
+
+
+@dataclass
+class Scripted:
+    """A guard whose measurements are given: the stop/restore logic without sampling noise."""
+    values: list[float]
+    budget: KLBudgetParams
+    policy: torch.nn.Module
+    seen: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    start: float = 0.0
+    target: float = 0.0
+    measured: list[tuple[int, float]] = field(default_factory=list)
+
+    def measure(self) -> float:
+        return self.values.pop(0)
+
+    def within(self, step: int) -> bool:
+        self.seen.append({k: v.clone() for k, v in self.policy.state_dict().items()})
+        return KLGuard.within(self, step)        # type: ignore[arg-type]
+
+    begin = KLGuard.begin
+    metrics = KLGuard.metrics
+
+
+def test_training_stops_at_the_last_state_within_the_target_and_restores_it():
+    policy, ref = _model(), _model()
+    budget = KLBudgetParams(total=18.0, per_iteration=5.0, check_every=2)
+    guard = Scripted([10.0, 12.0, 14.5, 15.5, 99.0], budget, policy)   # start 10: target 15
+    m = train_dpo(policy, ref, _pairs(16), DPOParams(lr=1e-2, epochs=3, batch_size=2), 0,
+                  torch.Generator().manual_seed(0), guard=guard)      # type: ignore[arg-type]
+    assert guard.target == 15.0
+    assert m["update/steps"] == 6.0                 # checks at 2, 4 (within), 6 (past): stop
+    assert m["update/kl_stopped"] == 1.0 and m["update/steps_kept"] == 4.0
+    assert m["update/kl_kept"] == 14.5 and m["update/kl_last"] == 15.5
+    kept = guard.seen[1]                            # the weights measured at step 4
+    assert all(torch.equal(v, kept[k]) for k, v in policy.state_dict().items())
+    assert not all(torch.equal(v, guard.seen[2][k]) for k, v in policy.state_dict().items())
+
+
+def test_a_start_past_the_total_trains_nothing():
+    policy, ref = _model(), _model()
+    before = copy.deepcopy(policy.state_dict())
+    guard = Scripted([19.0], KLBudgetParams(total=18.0, per_iteration=5.0), policy)
+    m = train_dpo(policy, ref, _pairs(8), DPOParams(lr=1e-2), 0,
+                  torch.Generator().manual_seed(0), guard=guard)      # type: ignore[arg-type]
+    assert m["update/steps"] == 0.0 and m["update/kl_stopped"] == 1.0
+    assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+
+
+def test_within_the_budget_every_step_is_kept():
+    policy, ref = _model(), _model()
+    guard = Scripted([0.0, 1.0, 2.0, 3.0], KLBudgetParams(total=18.0, check_every=3), policy)
+    m = train_dpo(policy, ref, _pairs(14), DPOParams(lr=1e-3, epochs=1, batch_size=2), 0,
+                  torch.Generator().manual_seed(0), guard=guard)      # type: ignore[arg-type]
+    assert m["update/steps"] == 7.0 and m["update/kl_stopped"] == 0.0
+    assert [s for s, _ in guard.measured] == [0, 3, 6, 7]      # and once after the last step
+    assert m["update/steps_kept"] == 7.0
+
+
+def test_the_measurement_is_zero_at_the_reference_and_grows_as_the_policy_moves():
+    """KL(pi || ref) of a policy equal to its reference is 0 exactly (the same weights, the same
+    passes); after training on pairs it is positive. Sampled untempered, as evaluate does."""
+    policy, ref = _model(), _model()
+    gen = GenerationParams(max_new_tokens=8, temperature=1.0, top_p=1.0, batch_size=8)
+    prompts = guard_prompts([p.prompt_ids for p in _pairs(16)] * 2, 8)
+    assert len(prompts) == 8 and len(set(prompts)) == 8
+    guard = KLGuard(policy, ref, prompts, gen, KLBudgetParams(total=1e9), 2, 0,
+                    torch.Generator().manual_seed(0))
+    assert guard.measure() == 0.0
+    train_dpo(policy, ref, _pairs(16), DPOParams(lr=5e-2, epochs=4, batch_size=4), 0,
+              torch.Generator().manual_seed(0))
+    assert guard.measure() > 0.1
+
+
+@pytest.mark.parametrize("start, per_iteration, total, target", [
+    (10.0, 5.0, 18.0, 15.0), (16.0, 5.0, 18.0, 18.0), (3.0, 0.0, 18.0, 18.0)])
+def test_the_target_is_the_start_plus_the_step_capped_by_the_total(start, per_iteration, total,
+                                                                   target):
+    g = KLGuard(None, None, [], GenerationParams(), KLBudgetParams(total, per_iteration), 2, 0,
+                torch.Generator())                                     # type: ignore[arg-type]
+    g.measure = lambda: start                                          # type: ignore[method-assign]
+    g.begin()
+    assert g.target == target
