@@ -162,7 +162,8 @@ def _champion_cell(row: Row) -> str:
     it = value(row, "eval/champion_iteration")
     if it is None:
         return "—"
-    return f"{_win_rate(row, 'eval/champion_gold_win_rate')} vs it. {int(it)}"
+    return (f"{_win_rate(row, 'eval/champion_gold_win_rate')} vs it. {int(it)} (judge "
+            f"{_num(value(row, 'eval/champion_judge_win_rate'))})")
 
 
 def _gate_cell(row: Row) -> str:

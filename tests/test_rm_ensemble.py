@@ -264,3 +264,17 @@ def test_prompt_batches_keep_a_prompts_pairs_together() -> None:
     assert sum(1 for i in range(1, len(runs)) if runs[i] != runs[i - 1]) == 4  # contiguous
     again = prompt_batches(data, 6, torch.Generator().manual_seed(1))
     assert again == batches and prompt_batches(data, 6, torch.Generator().manual_seed(2)) != batches
+
+
+def test_the_window_keeps_the_newest_iterations_and_every_off_policy_and_audited_pair() -> None:
+    from tasks.stages.train_rm import window
+    pool = [pair(i, f"iter_{i % 5 + 1}") for i in range(10)] + [pair(10, "cold_start"),
+                                                                 pair(11, "import")]
+    audited = pool[0]                                          # iter_1, labelled chosen_ok
+    labels = {audit.pair_id(audited): audit.AuditLabel(audit.pair_id(audited), "chosen_ok")}
+    pairs, _ = audit.apply_audit(pool, labels)
+    kept, m = window(pairs, labels, 2)
+    assert [x.source for x in kept] == ["iter_1", "iter_4", "iter_5", "iter_4", "iter_5",
+                                        "cold_start", "import"]
+    assert m["rm/n_pool"] == 12 and m["rm/n_aged_out"] == 5 and m["rm/window_oldest"] == 4
+    assert window(pairs, labels, 0)[0] == pairs                # 0: every pair

@@ -14,6 +14,11 @@ class MonitorParams:
                                     #   most
     max_judge_gold_gap: float = 0.15  # judge win rate minus gold win rate above this flags the
                                     #   iteration
+    max_champion_judge_gold_gap: float = 0.15  # over-optimisation, head-to-head: the judge's win
+                                    #   rate against the champion minus gold's, on the select
+                                    #   prompts, above this flags the iteration (the judge sees a
+                                    #   gain over the champion that gold does not: the loop is
+                                    #   optimising its proxy past the point where quality follows)
 
 
 @dataclass(frozen=True)

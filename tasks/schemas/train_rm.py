@@ -38,5 +38,10 @@ class TrainRMParams:
     probe_l2_grid: tuple[float, ...] = ()  # probe: the L2 chosen from these by 5-fold CV over the
                                     #   training prompts (log-loss; held-out pairs unread; empty:
                                     #   probe_l2 as is)
+    window: int = 0                 # on-policy pairs of the newest N iterations the pool holds
+                                    #   (along the chain of prev) train the RM; older ones age
+                                    #   out, off-policy (cold-start, imported) and audited pairs
+                                    #   stay; 0 = every pair. Bounds train_rm's time over ticks
+                                    #   and keeps it on where the policy is
     processes: int = 1              # > 1: fine-tuning epochs on N ranks under torchrun (DDP, the
                                     #   same global batch)

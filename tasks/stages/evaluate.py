@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -285,9 +286,10 @@ def evaluate_samples(p: Params, pol: Sequence[Rollout], refs: Sequence[Rollout],
 def summary(it: int, m: dict[str, float]) -> str:
     """The stage's one line: the judge's and gold's win rates, on-topic, reviews, KL, and gold
     against the champion on the select prompts."""
-    vs = (f"; vs the champion (iteration {int(m['eval/champion_iteration'])}) "
+    vs = (f"; vs the champion (iteration {int(m['eval/champion_iteration'])}): gold "
           f"{m['eval/champion_gold_win_rate']:.3f} [{m['eval/champion_gold_win_rate_ci_low']:.3f}"
-          f", {m['eval/champion_gold_win_rate_ci_high']:.3f}]"
+          f", {m['eval/champion_gold_win_rate_ci_high']:.3f}], judge "
+          f"{m['eval/champion_judge_win_rate']:.3f}"
           if "eval/champion_gold_win_rate" in m else "")
     return (f"evaluate@{it}: judge win rate {m['eval/win_rate']:.3f} "
             f"[{m['eval/win_rate_ci_low']:.3f}, {m['eval/win_rate_ci_high']:.3f}], "
@@ -342,16 +344,41 @@ def main(argv: list[str] | None = None) -> None:
     metrics, rows = evaluate_samples(p, pol, refs, subjects, logp, judge, gold, rm,
                                      candidates, bon_path, tok.pad_token_id)
     if select:                  # against the champion it starts from, on the select prompts
-        ids = [r["prompt_id"] for r in select]
-        for opponent, prefix in ((args.prev, "eval/champion_gold_"), (0, "eval/select_gold_")):
-            rows_of = headtohead.read(str(root / layout.select_samples(opponent)), ids)
-            metrics.update(headtohead.compare(gold, gold_verdict, select, rows_of,
-                                              p.evaluate.bootstrap, p.seed, prefix))
-        metrics["eval/champion_iteration"] = float(args.prev)
+        metrics.update(against_champion(p, root, args.prev, select, gold, judge))
+        metrics["eval/hacking_flag"] = max(metrics["eval/hacking_flag"],
+                                           metrics["eval/flag_over_optimisation"])
     jsonl.write(root / layout.select_samples(it), select)
     jsonl.write(root / layout.eval_samples(it), rows)
     stage.write_metrics(root, layout.metrics(it, "evaluate"), metrics)
     stage.say(summary(it, metrics))
+
+
+def against_champion(p: Params, root: Path, prev: int, select: Sequence[dict[str, Any]],
+                     gold: GoldEvaluator, judge: PointwiseJudge | PairwiseJudge
+                     ) -> dict[str, float]:
+    """The candidate against the champion it starts from (`prev`), on the select prompts:
+    by gold (what the gate decides on), by the judge (what the loop optimises), their gap and
+    its over-optimisation flag; and by gold against the reference (the gate's gold check)."""
+    ids = [r["prompt_id"] for r in select]
+    out: dict[str, float] = {"eval/champion_iteration": float(prev)}
+    champion = headtohead.read(str(root / layout.select_samples(prev)), ids)
+    reference = champion if prev == 0 else headtohead.read(str(root / layout.select_samples(0)),
+                                                           ids)
+    for rows_of, prefix in ((champion, "eval/champion_gold_"), (reference, "eval/select_gold_")):
+        out.update(headtohead.compare(gold, gold_verdict, select, rows_of, p.evaluate.bootstrap,
+                                      p.seed, prefix))
+    prompt_of = dict(load_prompts(str(root / layout.PROMPTS_SELECT)))
+    side = lambda rows: [SimpleNamespace(prompt=prompt_of[r["prompt_id"]], text=r["text"])  # noqa: E731
+                         for r in rows]
+    judged, _ = compare(judge, side(select), side(champion), p.evaluate.bootstrap, p.seed)
+    out.update({"eval/champion_judge_win_rate": judged["eval/win_rate"],
+                "eval/champion_judge_win_rate_ci_low": judged["eval/win_rate_ci_low"],
+                "eval/champion_judge_win_rate_ci_high": judged["eval/win_rate_ci_high"]})
+    gap = out["eval/champion_judge_win_rate"] - out["eval/champion_gold_win_rate"]
+    out["eval/champion_judge_gold_gap"] = gap
+    out["eval/flag_over_optimisation"] = float(
+        gap > p.evaluate.monitors.max_champion_judge_gold_gap)
+    return out
 
 
 def evaluate_best_of_n(p: Params, candidates: Sequence[Rollout], path: str, rm: torch.nn.Module,

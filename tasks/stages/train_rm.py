@@ -87,6 +87,20 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
     return members, metrics, cache
 
 
+def window(pairs: list[PreferencePair], labels: dict[str, audit.AuditLabel],
+           n: int) -> tuple[list[PreferencePair], dict[str, float]]:
+    """The pairs the RM trains on: every off-policy and audited pair, and the on-policy pairs of
+    the newest `n` iterations present (n = 0: all); the pool's order is kept."""
+    iterations = sorted({i for x in pairs if x.source.startswith("iter_")
+                         and (i := audit.source_iteration(x.source)) is not None})
+    newest = set(iterations[-n:]) if n > 0 else set(iterations)
+    kept = [x for x in pairs
+            if not x.source.startswith("iter_") or audit.source_iteration(x.source) in newest
+            or "audit_of" in x.meta or audit.pair_id(x) in labels]
+    return kept, {"rm/n_pool": float(len(pairs)), "rm/n_aged_out": float(len(pairs) - len(kept)),
+                  "rm/window_oldest": float(min(newest, default=0))}
+
+
 def read_pool(root: Path, it: int) -> tuple[list[PreferencePair], dict[str, audit.AuditLabel]]:
     pool_path = str(root / layout.pairs_pool(it))
     pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
@@ -105,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     pool, labels = read_pool(root, it)
     pairs, audit_metrics = audit.apply_audit(pool, labels)
+    pairs, window_metrics = window(pairs, labels, p.train_rm.window)
     if len(pairs) < 2:
         raise DataError(f"{root / layout.pairs_pool(it)}: {len(pairs)} pairs after the audit; "
                         "the reward model needs at least 2")
@@ -123,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     rm_metrics, stats = ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id, cache)
     metrics.update(rm_metrics)
     metrics.update(audit_metrics)
+    metrics.update(window_metrics)
     metrics["rm/bf16"] = float(lm.effective_precision(p.train_rm.precision, args.device) == "bf16")
     metrics["rm/n_onpolicy"] = float(sum(1 for x in pairs if x.source.startswith("iter_")))
 
