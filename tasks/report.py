@@ -152,8 +152,11 @@ def _kl_cell(row: Row) -> str:
     """The k1 estimate (mean log pi/ref over policy samples) is unbiased but noisy: on few
     samples it can come out below 0, which a true KL never is; such a value is flagged."""
     kl = value(row, "eval/kl")
-    return _num(kl, 2) + (" (< 0: noise of the k1 estimate)" if kl is not None and kl < 0
-                          else "")
+    target = value(row, "update/kl_target")
+    stopped = " (update stopped at the budget)" if value(row, "update/kl_stopped") else ""
+    return (_num(kl, 2) + (" (< 0: noise of the k1 estimate)" if kl is not None and kl < 0
+                           else "")
+            + (f"; budget {_num(target, 1)}{stopped}" if target is not None else ""))
 
 
 def _champion_cell(row: Row) -> str:

@@ -111,6 +111,9 @@ def _reward_vs_kl(rows: Sequence[Row]) -> Any | None:
                     label=label)
     if not drawn:
         return None
+    targets = [t for r in rows if (t := r.get("update/kl_target")) is not None and t == t]
+    if targets:                                       # the update's KL budget (tasks/kl_budget.py)
+        ax.axvline(max(targets), color="tab:red", lw=0.8, ls="--", label="KL budget (update)")
     ax.axhline(0.5, color="grey", lw=0.8, ls=":")
     ax.axvline(0.0, color="grey", lw=0.8, ls=":")     # a true KL is never below this
     ax.set_ylim(*RATE)
