@@ -86,7 +86,8 @@ def rows(ws: Path, seconds: dict[str, float]) -> list[dict[str, Any]]:
                     "vs_champion_judge": e.get("eval/champion_judge_win_rate"),
                     "kl": e.get("eval/kl"), "kl_target": u.get("update/kl_target"),
                     "kl_kept": u.get("update/kl_kept"),
-                    "review": e.get("eval/review_rate"), "ref_review": e.get("eval/ref_review_rate"),
+                    "review": e.get("eval/review_rate"),
+                    "ref_review": e.get("eval/ref_review_rate"),
                     "rm_acc": r.get("rm/accuracy"), "rm_n": r.get("rm/n_heldout"),
                     "rm_pool": r.get("rm/n_pool"),
                     "train_rm_s": seconds.get(f"train_rm@{k}"), "minutes": minutes or None,
@@ -101,8 +102,8 @@ def fmt(v: Any, digits: int = 3) -> str:
 
 
 def table(rs: list[dict[str, Any]], head: dict[str, str]) -> str:
-    cols = ("iteration", "prev", "judge", "gold [95% CI]", "vs champion gold / judge", "KL (target, kept)",
-            "review (ref)", "RM held-out (n, pool)", "train_rm s", "minutes", "gate", "champion")
+    cols = ("iteration", "prev", "judge", "gold [95% CI]", "vs champion gold / judge",
+            "KL (target, kept)", "review (ref)", "RM held-out (n, pool)", "train_rm s", "minutes", "gate", "champion")
     lines = [f"{head['commit']} · {head['cpu']} · {head['precision']} · seed {head['seed']}",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rs:

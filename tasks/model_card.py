@@ -225,6 +225,6 @@ def write_model_card(model_dir: Path, root: Path, stage: str, it: int, p: Params
                      "`tasks.reward_model.load_reward_model` for the rewards the loop used.")
     name = stage if stage == "prepare_model" else f"{stage}@{it}"
     card = Card(name, role, it, model_path, task, base_model(meta), meta, algorithm(p, stage), md5,
-                datasets, judges, {k: float(v) for k, v in metrics.items()}, parent_of(stage, it, prev_of(p, it)),
-                weights, notes)
+                datasets, judges, {k: float(v) for k, v in metrics.items()},
+                parent_of(stage, it, prev_of(p, it)), weights, notes)
     ModelCard(render(card)).save(model_dir / CARD_FILE)
