@@ -103,7 +103,8 @@ def fmt(v: Any, digits: int = 3) -> str:
 
 def table(rs: list[dict[str, Any]], head: dict[str, str]) -> str:
     cols = ("iteration", "prev", "judge", "gold [95% CI]", "vs champion gold / judge",
-            "KL (target, kept)", "review (ref)", "RM held-out (n, pool)", "train_rm s", "minutes", "gate", "champion")
+            "KL (target, kept)", "review (ref)", "RM held-out (n, pool)", "train_rm s", "minutes",
+            "gate", "champion")
     lines = [f"{head['commit']} · {head['cpu']} · {head['precision']} · seed {head['seed']}",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rs:
