@@ -8,8 +8,10 @@ from dataclasses import dataclass
 class GateParams:
     min_win_rate: float = 0.5       # judge win rate vs the reference, at least
     min_win_rate_ci_low: float = 0.0  # lower end of its 95% bootstrap interval, at least
-    min_gold_win_rate: float = 0.0  # gold evaluator's win rate, at least (0 = not checked;
-                                    #   promotion only, never training)
+    min_gold_win_rate: float = 0.0  # gold evaluator's win rate against the reference, at least,
+                                    #   on the select prompts when the workspace has them (else
+                                    #   the held-out ones); 0 = not checked; promotion only,
+                                    #   never training
     max_kl: float = 1e9             # KL(policy || reference) per response, at most
     min_champion_gold_win_rate: float = 0.5  # gold win rate against the champion the candidate
                                     #   starts from, on the select prompts (ties half), MORE than

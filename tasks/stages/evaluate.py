@@ -7,8 +7,9 @@ judge score of both; KL(policy || reference) per response; response lengths; the
 baseline (the reference's N samples reranked by this iteration's RM, analytic KL
 log N - (N-1)/N); and the reward-hacking monitors. One metrics JSON plus the paired samples.
 
-And the candidate against the champion it starts from (`prev`), by gold on the select prompts
-(tasks/headtohead.py): what the gate's promotion decision reads, kept apart from the held-out
+And the candidate against the champion it starts from (`prev`) on the select prompts
+(tasks/headtohead.py), by gold and by the judge, with the over-optimisation flag (a judge gain
+gold does not see): what the gate's promotion decision reads, kept apart from the held-out
 figures above, which no decision reads.
 """
 from __future__ import annotations
@@ -25,12 +26,12 @@ from typing import Any
 import torch
 
 from tasks import headtohead, jsonl, layout, lm
-from tasks.lm import mean_nll
 from tasks.generation import load_prompts, sample_rollouts, select_responses
 from tasks.gold import GoldEvaluator, GoldScore, gold_verdict
 from tasks.jsonl import DataError
 from tasks.judges import (BUILD_KEYS, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
                           judge_pair, judge_pairs, make_judge, position_flipped)
+from tasks.lm import mean_nll
 from tasks.params import Params
 from tasks.records import Prompt, Rollout, parse_rollout, prompt_to_record
 from tasks.reward_model import load_reward_model, reward_mean_std
@@ -333,8 +334,7 @@ def main(argv: list[str] | None = None) -> None:
                           p.evaluate.workers, pol_dir)
     refs = read_references(root, prompts)
     logp = LogProbs.of(policy, ref, pol, refs, gen, tok.pad_token_id)
-    select = select_responses(policy, ref, tok, root, p, it,
-                                         stage.generator(p.seed, 9, it))
+    select = select_responses(policy, ref, tok, root, p, it, stage.generator(p.seed, 9, it))
     del policy
     judge = make_judge(p.judge, root, args.device)   # built once: an llm judge loads a model
     gold = GoldEvaluator(p.evaluate.gold, root, args.device)
