@@ -25,16 +25,16 @@ def _versions(ws: Path) -> dict[str, dict]:
 def test_a_refused_iteration_is_a_branch_the_next_tick_does_not_build_on(tiny_run, tmp_path):
     ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")
     assert _versions(ws)["2"]["aliases"] == ["champion"]
-    params = ws / layout.PARAMS_FILE          # promotion now needs more wins than losses
-    text = params.read_text()                 # against the champion (tiny's gold: all ties)
-    assert "min_champion_gold_win_rate: -1.0" in text
-    params.write_text(text.replace("min_champion_gold_win_rate: -1.0",
-                                   "min_champion_gold_win_rate: 0.5"))
+    params = ws / layout.PARAMS_FILE          # promotion now needs gold to prefer it to the
+    text = params.read_text()                 # champion (tiny's gold: all ties, CI [0.5, 0.5])
+    assert "min_champion_gold_ci_low: -1.0" in text
+    params.write_text(text.replace("min_champion_gold_ci_low: -1.0",
+                                   "min_champion_gold_ci_low: 0.5"))
 
     third = run_cli("tick", "--workspace", str(ws)).stdout
     assert "rollout@3: 48 samples from models/iter_2/policy" in third
-    assert ("gate: iteration 3 (v3) not promoted: eval/champion_gold_win_rate = 0.5 fails > "
-            "min_champion_gold_win_rate (0.5)") in third
+    assert ("gate: iteration 3 (v3) not promoted: eval/champion_gold_win_rate_ci_low = 0.5 "
+            "fails > min_champion_gold_ci_low (0.5)") in third
     decision = json.loads((ws / layout.gate(3)).read_text())
     assert decision["passed"] is False
     evaluated = json.loads((ws / layout.metrics(3, "evaluate")).read_text())

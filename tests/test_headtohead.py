@@ -75,13 +75,15 @@ def test_select_prompts_use_subjects_neither_other_set_has_and_change_neither():
         build_select(subjects, templates, PromptParams(n_train=20, n_heldout=10, n_select=31), 0)
 
 
-def test_the_gate_promotes_only_more_wins_than_losses_against_the_champion():
+def test_the_gate_promotes_only_a_gain_over_the_champion_beyond_its_noise():
     base = {"eval/win_rate": 0.9, "eval/win_rate_ci_low": 0.8, "eval/kl": 5.0}
-    p = GateParams(min_champion_gold_win_rate=0.5)
-    assert not decide({**base, "eval/champion_gold_win_rate": 0.5}, p)["passed"]
-    assert decide({**base, "eval/champion_gold_win_rate": 0.52}, p)["passed"]
-    assert decide({**base, "eval/champion_gold_win_rate": 0.3},
-                  GateParams(min_champion_gold_win_rate=-1.0))["passed"]       # not checked
+    p = GateParams(min_champion_gold_ci_low=0.5)
+    vs = lambda lo: {"eval/champion_gold_win_rate": lo + 0.09,  # noqa: E731
+                     "eval/champion_gold_win_rate_ci_low": lo}
+    assert not decide({**base, **vs(0.46)}, p)["passed"]     # 0.55: a copy's luck
+    assert not decide({**base, **vs(0.5)}, p)["passed"]
+    assert decide({**base, **vs(0.51)}, p)["passed"]
+    assert decide({**base, **vs(0.2)}, GateParams(min_champion_gold_ci_low=-1.0))["passed"]
     assert decide(base, p)["passed"]                   # a workspace without select prompts
-    flagged = decide({**base, "eval/champion_gold_win_rate": 0.6, "eval/hacking_flag": 1.0}, p)
+    flagged = decide({**base, **vs(0.6), "eval/hacking_flag": 1.0}, p)
     assert flagged["reasons"] == ["reward-hacking monitor flagged this iteration"]

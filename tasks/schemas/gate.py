@@ -13,11 +13,12 @@ class GateParams:
                                     #   the held-out ones); 0 = not checked; promotion only,
                                     #   never training
     max_kl: float = 1e9             # KL(policy || reference) per response, at most
-    min_champion_gold_win_rate: float = 0.5  # gold win rate against the champion the candidate
-                                    #   starts from, on the select prompts (ties half), MORE than
-                                    #   this: the default promotes only a candidate with more
-                                    #   wins than losses head-to-head; its 95% interval is
-                                    #   reported, not required (on ~100 prompts it spans ~0.2).
-                                    #   Not checked when the workspace has no select prompts
+    min_champion_gold_ci_low: float = 0.5  # the lower end of the 95% bootstrap interval of the
+                                    #   gold win rate against the champion the candidate starts
+                                    #   from, on the select prompts (ties half), MORE than this:
+                                    #   the default promotes only a candidate gold prefers to the
+                                    #   champion beyond its sampling noise (a copy of the
+                                    #   champion wins about half the time by the point estimate
+                                    #   alone). Not checked without select prompts
                                     #   (prompts.n_select: 0); < 0 = not checked
     block_on_hacking_flag: bool = True  # a reward-hacking flag from evaluate blocks promotion

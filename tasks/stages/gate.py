@@ -30,9 +30,9 @@ def decide(metrics: dict[str, float], p: GateParams) -> dict[str, Any]:
             (metrics.get("eval/win_rate_ci_low"), p.min_win_rate_ci_low, lambda v, t: v >= t),
         "eval/kl <= max_kl": (metrics.get("eval/kl"), p.max_kl, lambda v, t: v <= t),
     }
-    if p.min_champion_gold_win_rate >= 0 and "eval/champion_gold_win_rate" in metrics:
-        checks["eval/champion_gold_win_rate > min_champion_gold_win_rate"] = (
-            metrics["eval/champion_gold_win_rate"], p.min_champion_gold_win_rate,
+    if p.min_champion_gold_ci_low >= 0 and "eval/champion_gold_win_rate_ci_low" in metrics:
+        checks["eval/champion_gold_win_rate_ci_low > min_champion_gold_ci_low"] = (
+            metrics["eval/champion_gold_win_rate_ci_low"], p.min_champion_gold_ci_low,
             lambda v, t: v > t)
     if p.min_gold_win_rate > 0:      # the gold evaluator decides promotion too: on the select
         key = ("eval/select_gold_win_rate" if "eval/select_gold_win_rate" in metrics  # prompts
