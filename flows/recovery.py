@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +85,22 @@ def restore(root: Path, cp: Checkpoint) -> list[str]:
     return fixed
 
 
+@contextlib.contextmanager
+def quiet_dvc() -> Iterator[None]:
+    """DVC's warnings off (a checkout of outputs the lock does not vouch for yet warns once per
+    output, "No file hash info found ... It won't be created"): a restore says what it did in
+    its own words, in one line."""
+    loggers = [logging.getLogger(name) for name in ("dvc", "dvc_data")]   # dvc_data warns
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def restore_outputs(root: Path) -> list[str]:
     """Every stage's outputs as dvc.lock records them; outputs no lock entry vouches for and
     directories of iterations that are not declared removed."""
@@ -94,7 +112,7 @@ def restore_outputs(root: Path) -> list[str]:
         return fixed
     declared: set[int] = set()
     with contextlib.chdir(root), Repo(str(root)) as repo, \
-            contextlib.redirect_stdout(io.StringIO()):
+            contextlib.redirect_stdout(io.StringIO()), quiet_dvc():
         for stage in repo.index.stages:
             declared.add(int(stage.addressing.partition("@")[2] or 0))
             outs = [str(o.def_path) for o in stage.outs]

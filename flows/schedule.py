@@ -92,7 +92,8 @@ def _restore(ws: Workspace, head: str, iteration: int) -> None:
     git(ws.root, "reset", "-q", "--hard", head)
     for rel in layout.iteration_dirs(iteration):
         shutil.rmtree(ws.root / rel, ignore_errors=True)
-    with contextlib.chdir(ws.root), Repo(str(ws.root)) as repo:
+    from flows.recovery import quiet_dvc
+    with contextlib.chdir(ws.root), Repo(str(ws.root)) as repo, quiet_dvc():
         repo.checkout(force=True)
 
 
