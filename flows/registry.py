@@ -7,8 +7,8 @@ policy version, the reward model version, the judge, and the Prefect flow-run id
 themselves are stored once, by DVC, and found by `model_md5` (flows/restore.py). A version's
 `source` is where MLflow itself would load it from: the workspace path when the registry is this
 machine's store; on a tracking server (which accepts only sources inside the run's artifacts) a
-small pointer logged to the run, `runs:/<run>/<model_path>/dvc-pointer.json` naming path, md5,
-commit and how to restore them; the weights are never uploaded.
+run artifact directory `runs:/<run>/<model_path>` holding only `dvc-pointer.json` (path, md5,
+commit and how to restore them); the weights are never uploaded.
 """
 from __future__ import annotations
 
