@@ -84,12 +84,12 @@ def test_calibration_set_is_big_enough_and_labelled_by_side() -> None:
 
 
 def test_measured_precision_and_recall_on_the_labelled_set(gold: GoldEvaluator) -> None:
-    """The check at the profile's threshold, on every hand-labelled sample: the README's
+    """The check at the profile's threshold, on every hand-labelled sample: docs/judging.md's
     figures come from benchmarks/calibrate_genre.py on the same file."""
     rows = [rec for _, rec in jsonl.read(str(LABELS))]
     scores = gold.register_check.register([r["text"] for r in rows])
     m = at_threshold(rows, scores, gold.p.review_threshold)
-    # README (benchmarks/calibrate_genre.py): dev P 0.59 R 0.50, test P 0.40 R 0.75
+    # docs/judging.md (benchmarks/calibrate_genre.py): dev P 0.59 R 0.50, test P 0.40 R 0.75
     assert m["dev"]["precision"] >= 0.55 and m["dev"]["recall"] >= 0.45, m
     assert m["test"]["precision"] >= 0.35 and m["test"]["recall"] >= 0.7, m
     assert GoldParams().register_examples_file == \
