@@ -1,4 +1,4 @@
-"""Calibrate and measure the gold evaluator's review check (tasks/genre.py) on hand-labelled
+"""Calibrate and measure the gold evaluator's review check (tasks/evaluation/genre.py) on hand-labelled
 samples.
 
     python benchmarks/calibrate_genre.py [--labels benchmarks/data/genre_labels.jsonl]
@@ -25,9 +25,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from tasks import jsonl
-from tasks.gold import GoldEvaluator
-from tasks.params import load_params
+from tasks.core import jsonl
+from tasks.evaluation.gold import GoldEvaluator
+from tasks.config.params import load_params
 
 ROOT = Path(__file__).resolve().parent.parent
 

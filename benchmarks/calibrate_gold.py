@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from tasks import lm
-from tasks.generation import sample_rollouts
-from tasks.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
-from tasks.gold import GoldEvaluator, mean_nll
-from tasks.params import load_params
-from tasks.records import parse_prompt
+from tasks.models import lm
+from tasks.models.generation import sample_rollouts
+from tasks.models.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
+from tasks.evaluation.gold import GoldEvaluator, mean_nll
+from tasks.config.params import load_params
+from tasks.data.records import parse_prompt
 from tasks.stages.prompts import build_prompts, read_lines
 
 OFF_TOPIC = [

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from flows.workspace import DATA_DIRS  # noqa: E402
-from tasks import distributed, layout, stage  # noqa: E402
+from tasks.core import layout  # noqa: E402
+from tasks.runtime import distributed, stage
 
 SETUP = ["prompts", "prepare_model", "collect_offpolicy", "reference_samples"]
 

@@ -1,4 +1,4 @@
-"""glibc's malloc defaults against the stage processes' settings (tasks/heap.py), side by side.
+"""glibc's malloc defaults against the stage processes' settings (tasks/core/heap.py), side by side.
 
     python -m benchmarks.heap_ab [--model DIR] [--kinds dpo,rm,ppo] [--repeats 3]
 
@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tasks import heap  # noqa: E402
+from tasks.core import heap  # noqa: E402
 
 KINDS = ("dpo", "rm", "ppo")
 SIZES = {"dpo": 48, "rm": 64, "ppo": 32}
@@ -44,14 +44,14 @@ def _train(kind: str, model_dir: Path) -> None:
     import torch
 
     from benchmarks import vs_trl
-    from tasks import lm
-    from tasks.distributed import LOSSES_ENV
-    from tasks.params import load_params
+    from tasks.models import lm
+    from tasks.runtime.distributed import LOSSES_ENV
+    from tasks.config.params import load_params
     tok = lm.load_tokenizer(model_dir)
     if kind == "ppo":
         from benchmarks.train_bench import sample_inputs
-        from tasks.ppo import train_ppo
-        from tasks.value_head import ValueHead
+        from tasks.policy.ppo import train_ppo
+        from tasks.policy.value_head import ValueHead
         params = load_params(ROOT / "params/default-ppo.yaml")
         rollouts = sample_inputs(model_dir, params, SIZES[kind])[::2]
         scores = torch.randn(len(rollouts), generator=torch.Generator().manual_seed(6))
@@ -65,14 +65,14 @@ def _train(kind: str, model_dir: Path) -> None:
         params = load_params(ROOT / "params/default.yaml")
         pairs = vs_trl.build_pairs(tok, params, SIZES[kind])
         if kind == "dpo":
-            from tasks.dpo import train_dpo
+            from tasks.policy.dpo import train_dpo
             p = params.update.dpo
             policy, ref = lm.load_causal_lm(model_dir), lm.load_causal_lm(model_dir)
             ref.requires_grad_(False)
             train = lambda: train_dpo(policy, ref, pairs, p, tok.pad_token_id,  # noqa: E731
                                       torch.Generator().manual_seed(0))
         else:
-            from tasks.reward_model import train_reward
+            from tasks.reward.reward_model import train_reward
             p, _ = vs_trl.settings(params, "rm", 1, params.train_rm.precision)
             model = vs_trl.rm_model(model_dir, p)
             train = lambda: train_reward(model, pairs, p, tok.pad_token_id,  # noqa: E731

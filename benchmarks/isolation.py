@@ -41,7 +41,7 @@ def apply_in_process(base: Path) -> None:
 
 HEAP_CHOICES = ("stage", "stock")
 HEAP_HELP = ("glibc's malloc settings for this process and the ones it starts, every side "
-             "alike: the stage processes' (tasks/heap.py) or glibc's defaults")
+             "alike: the stage processes' (tasks/core/heap.py) or glibc's defaults")
 
 
 def restart_with_heap(choice: str) -> None:
@@ -50,7 +50,7 @@ def restart_with_heap(choice: str) -> None:
     (the same interpreter and arguments). On another C library: nothing."""
     import sys
 
-    from tasks import heap
+    from tasks.core import heap
     tunables = heap.TUNABLES if choice == "stage" else ""
     if heap.is_glibc() and (os.environ.get(heap.ENV) or "") != tunables:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, heap.ENV: tunables})

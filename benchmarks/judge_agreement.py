@@ -20,10 +20,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tasks import jsonl, layout
-from tasks.judges import judge_pairs, make_judge, position_flipped
-from tasks.params import load_params
-from tasks.records import parse_prompt
+from tasks.core import jsonl, layout
+from tasks.judging.judges import judge_pairs, make_judge, position_flipped
+from tasks.config.params import load_params
+from tasks.data.records import parse_prompt
 
 
 def agreement(ours: Sequence[str], theirs: Sequence[str]) -> dict[str, float]:

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from tasks import lm
+from tasks.models import lm
 
 
 def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, inner: int = 3) -> float:
@@ -32,7 +32,7 @@ def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, inner: in
 
 def measure_peaks(n: int = 2048, repeats: int = 5) -> dict[str, float]:
     """{"fp32_gflops", "bf16_gflops", "bf16_native", "threads", "n"} at the current torch
-    thread count. Without native bf16 kernels (tasks/lm.py: native_bf16) bf16 is timed at
+    thread count. Without native bf16 kernels (tasks/models/lm.py: native_bf16) bf16 is timed at
     n = 256 (torch's reference kernels: ~1 GFLOP/s, minutes at n = 2048)."""
     native = lm.native_bf16()
     return {"fp32_gflops": round(matmul_gflops(torch.float32, n, repeats), 1),

@@ -30,10 +30,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))       # `python benchmarks/ray_scaling.py` from anywhere
 
 from benchmarks.rollout_bench import train_prompts  # noqa: E402
-from tasks import lm, ray_pool, sampling, stage  # noqa: E402
-from tasks.generation import sample_rollouts  # noqa: E402
-from tasks.params import GenerationParams, TinyModelParams, load_params  # noqa: E402
-from tasks.tiny_model import save_tiny  # noqa: E402
+from tasks.models import lm, sampling  # noqa: E402
+from tasks.runtime import ray_pool, stage
+from tasks.models.generation import sample_rollouts  # noqa: E402
+from tasks.config.params import GenerationParams, TinyModelParams, load_params  # noqa: E402
+from tasks.models.tiny_model import save_tiny  # noqa: E402
 
 
 def timed_rollouts(model_dir: Path, prompts: list, k: int, gen: GenerationParams,

@@ -17,11 +17,12 @@ import json
 import time
 from pathlib import Path
 
-from tasks import jsonl, layout, lm
-from tasks.params import load_params
-from tasks.records import parse_pair
-from tasks.probe import PROBE_FOLDS, _probe_fit, depth_features, pair_diffs, probe_cv
-from tasks.reward_model import encode_pairs, heldout_split, init_reward_model
+from tasks.core import jsonl, layout
+from tasks.models import lm
+from tasks.config.params import load_params
+from tasks.data.records import parse_pair
+from tasks.reward.probe import PROBE_FOLDS, _probe_fit, depth_features, pair_diffs, probe_cv
+from tasks.reward.reward_model import encode_pairs, heldout_split, init_reward_model
 
 
 def depths_arg(text: str) -> list[int]:

@@ -18,14 +18,16 @@ import json
 import time
 from pathlib import Path
 
-from tasks import jsonl, layout, lm, stage
-from tasks.judges import make_judge
-from tasks.labelling import judge_groups, pool_margin, rollout_groups
-from tasks.params import TrainRMParams, load_params
-from tasks.records import parse_rollout
-from tasks.probe import fit_probe_head
-from tasks.reward_model import (RewardEnsemble, encode_pairs, ensemble_metrics, heldout_split,
-                                init_reward_model, train_reward)
+from tasks.core import jsonl, layout
+from tasks.models import lm
+from tasks.runtime import stage
+from tasks.judging.judges import make_judge
+from tasks.judging.labelling import judge_groups, pool_margin, rollout_groups
+from tasks.config.params import TrainRMParams, load_params
+from tasks.data.records import parse_rollout
+from tasks.reward.probe import fit_probe_head
+from tasks.reward.reward_model import (RewardEnsemble, encode_pairs, ensemble_metrics, heldout_split,
+                                       init_reward_model, train_reward)
 
 
 def main() -> None:

@@ -77,7 +77,7 @@ def ensure_model(model: str | None) -> Path:
         return Path(model).resolve()
     out = cache_dir() / "smollm2-135m-instruct"
     if not (out / "config.json").is_file():
-        from tasks.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
+        from tasks.models.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
         log(f"converting the packaged GGUF model to {out} (once) ...")
         info = convert_gguf_to_hf(find_packaged_gguf(), out)
         log(f"converted: {info['n_params']} parameters in {info['seconds']} s")
@@ -104,7 +104,7 @@ def rollout_section(model_dir: Path, quick: bool) -> dict[str, Any] | None:
     except ImportError as e:
         log(f"rollout: benchmarks/rollout_bench.py is not importable ({e}); section skipped")
         return None
-    from tasks.params import load_params
+    from tasks.config.params import load_params
     r = load_params(REPO / "params" / "default.yaml").rollout    # the rollout stage's settings
     sizes = dict(n_prompts=r.n_prompts, k=r.samples_per_prompt,
                  max_new_tokens=r.generation.max_new_tokens, batch_size=r.generation.batch_size)

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from benchmarks.isolation import REPO, isolated_env
-from tasks import layout
+from tasks.core import layout
 
 SETUP_STAGES = layout.SETUP_STAGES[:3]   # reference_samples: scale-specific, run untimed below
 ITERATION = layout.LOOP_STAGES[:5]        # one iteration's stages, gate aside (it trains nothing)

@@ -1,8 +1,8 @@
 """Model-FLOP utilisation (MFU) of the three training updates on the real model.
 
 Each update is the stage's own training function, called as the stage calls it:
-`tasks.dpo.train_dpo` (update, DPO), `tasks.reward_model.train_reward` (train_rm) and
-`tasks.ppo.train_ppo` (update, PPO, as `tasks.stages.update.run_ppo` calls it), with the batch
+`tasks.policy.dpo.train_dpo` (update, DPO), `tasks.reward.reward_model.train_reward` (train_rm) and
+`tasks.policy.ppo.train_ppo` (update, PPO, as `tasks.stages.update.run_ppo` calls it), with the batch
 sizes, epochs and learning rates of params/default.yaml, on realistic inputs: the default train
 prompts chat-rendered as the stages render them (~47 tokens) and the model's own responses of
 up to 40 tokens, sampled once by the rollout stage's sampler (`sample_inputs`).
@@ -13,7 +13,7 @@ FLOP convention ("model FLOPs", PaLM-style; stated again in the result):
   (SmolLM2 ties it to the embedding: vocab x hidden = 28.3M; the reward model has none).
 - a forward pass over a sequence of T tokens with R response tokens costs
   2 (N_body T + N_head R): logits are only needed where a response token is predicted, so
-  lm_head work on prompt positions (which tasks/lm.py mostly skips) is not counted.
+  lm_head work on prompt positions (which tasks/models/lm.py mostly skips) is not counted.
 - trained: 3x that (forward + backward); no-grad passes (DPO's reference pass; PPO's pi_old
   and value pass and its reference pass): 1x. Both are reported (`train_flops`,
   `nograd_flops`) and MFU uses their sum.
@@ -46,9 +46,9 @@ from typing import Any
 import torch
 
 from benchmarks.peaks import measure_peaks
-from tasks import lm
-from tasks.params import Params, load_params
-from tasks.records import Rollout, parse_prompt
+from tasks.models import lm
+from tasks.config.params import Params, load_params
+from tasks.data.records import Rollout, parse_prompt
 from tasks.stages.prompts import build_prompts, read_lines
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def sample_inputs(model_dir: Path, params: Params, n_prompts: int, seed: int = 0
     rollout stage's own code (`sample_rollouts`: chat rendering, RESPONSE_TOKENS new tokens,
     temperature 1, the sampler's per-token log-probs), grouped by prompt. Sample 2i and 2i+1
     answer prompt i: they are a DPO/RM pair's chosen and rejected; sample 2i is a PPO rollout."""
-    from tasks.generation import sample_rollouts
+    from tasks.models.generation import sample_rollouts
     p = params.prompts
     subjects, templates = read_lines(ROOT / p.subjects_file), read_lines(ROOT / p.templates_file)
     train, _ = build_prompts(subjects, templates, replace(p, n_train=max(n_prompts, 1),
@@ -92,7 +92,7 @@ def sample_inputs(model_dir: Path, params: Params, n_prompts: int, seed: int = 0
 
 def pairs_from(samples: Sequence[Rollout], n: int) -> list[Any]:
     """n (prompt, chosen, rejected) pairs: the two samples of each of the first n prompts."""
-    from tasks.reward_model import EncodedPair
+    from tasks.reward.reward_model import EncodedPair
     return [EncodedPair(samples[2 * i].prompt_ids, samples[2 * i].response_ids,
                         samples[2 * i + 1].response_ids) for i in range(n)]
 
@@ -155,8 +155,8 @@ def _autocast(precision: str) -> Any:
 def dpo_losses(policy: Any, ref: Any, batch: Sequence[Any], p: Any, pad: int) -> dict[str, float]:
     """The DPO loss of the trained policy against the reference on one batch, with both
     passes in fp32 and both in bf16 autocast (as train_dpo runs them)."""
-    from tasks.dpo import _pair_logprobs
-    from tasks.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES
+    from tasks.policy.dpo import _pair_logprobs
+    from tasks.functional.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES
     mean_lp = p.loss in LENGTH_NORMALISED_LOSSES
     out = {}
     for precision in ("fp32", "bf16"):
@@ -172,8 +172,8 @@ def dpo_losses(policy: Any, ref: Any, batch: Sequence[Any], p: Any, pad: int) ->
 @torch.no_grad()
 def rm_losses(model: Any, batch: Sequence[Any], p: Any, pad: int) -> dict[str, float]:
     """The Bradley-Terry loss of the trained reward model on one batch, fp32 and bf16."""
-    from tasks.losses import bradley_terry_margin_loss
-    from tasks.reward_model import _margins
+    from tasks.functional.losses import bradley_terry_margin_loss
+    from tasks.reward.reward_model import _margins
     out = {}
     for precision in ("fp32", "bf16"):
         with _autocast(precision):
@@ -200,7 +200,7 @@ def _frozen_ref(model_dir: Path) -> torch.nn.Module:
 
 def bench_dpo(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, epochs: int, p: Any,
               loss_check: bool) -> dict[str, Any]:
-    from tasks.dpo import train_dpo
+    from tasks.policy.dpo import train_dpo
     pad = lm.load_tokenizer(model_dir).pad_token_id
     p = replace(p, epochs=epochs)
     pairs = pairs_from(samples, n_pairs)
@@ -248,7 +248,7 @@ def bench_rm(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, epochs: 
              loss_check: bool) -> dict[str, Any]:
     """The reward model's fine-tuning epochs (`epochs`, not the profile's: the default
     profile's train_rm runs 0, its probe on frozen features alone, which trains nothing)."""
-    from tasks.reward_model import init_reward_model, train_reward
+    from tasks.reward.reward_model import init_reward_model, train_reward
     tok = lm.load_tokenizer(model_dir)
     pairs = pairs_from(samples, n_pairs)
     p = replace(p, epochs=epochs)
@@ -276,8 +276,8 @@ def bench_ppo(model_dir: Path, samples: Sequence[Rollout], n_rollouts: int, epoc
               p: Any, loss_check: bool) -> dict[str, Any]:
     """PPO on n rollouts (with the sampler's stored log-probs as pi_old) and standard-normal
     normalised RM scores (the scoring pass belongs to update's edge, not to train_ppo)."""
-    from tasks.ppo import train_ppo
-    from tasks.value_head import ValueHead
+    from tasks.policy.ppo import train_ppo
+    from tasks.policy.value_head import ValueHead
     tok = lm.load_tokenizer(model_dir)
     p = replace(p, epochs=epochs)
     rollouts = list(samples[: 2 * n_rollouts: 2])

@@ -66,8 +66,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import isolation  # noqa: E402
-from tasks import heap, lm  # noqa: E402
-from tasks.params import PPOParams, load_params  # noqa: E402
+from tasks.core import heap  # noqa: E402
+from tasks.models import lm
+from tasks.config.params import PPOParams, load_params  # noqa: E402
 
 TRL_PPO_VERSION = "1.12.0"
 RESPONSE_TOKENS = 40
@@ -143,10 +144,10 @@ def ppo_params(epochs: int | None = None) -> PPOParams:
 def run_ours(policy_dir: Path, ref_dir: Path, data: dict[str, Any], p: PPOParams
              ) -> dict[str, Any]:
     from benchmarks.train_bench import _frozen_ref
-    from tasks.ppo import train_ppo
-    from tasks.records import Rollout
+    from tasks.policy.ppo import train_ppo
+    from tasks.data.records import Rollout
     from tasks.schemas.generation import GenerationParams
-    from tasks.value_head import ValueHead
+    from tasks.policy.value_head import ValueHead
     pad = lm.load_tokenizer(policy_dir).pad_token_id
     rollouts = [Rollout(f"bench-{i}", (), tuple(pr), tuple(r), tuple(lp), False, "", "bench", 1,
                         GenerationParams(temperature=1.0))

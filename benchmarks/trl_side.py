@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from tasks import lm
-from tasks.params import DPOParams, TrainRMParams
-from tasks.reward_model import EncodedPair
+from tasks.models import lm
+from tasks.config.params import DPOParams, TrainRMParams
+from tasks.reward.reward_model import EncodedPair
 
 
 class _FixedOrder(torch.utils.data.Sampler[int]):

@@ -25,7 +25,7 @@ sides, fp32 and bf16 autocast each measured side by side (`--precisions`):
   weights for its precompute cache) is not counted. Sides alternate (ours, trl, ours, ...)
   `--repeats` times; the fastest and the median of each are reported.
 - heap: glibc's malloc settings are the process's, so both sides alike: by default the ones
-  our stage processes run with (`--heap stage`, tasks/heap.py: freed tensor memory reused, not
+  our stage processes run with (`--heap stage`, tasks/core/heap.py: freed tensor memory reused, not
   unmapped and faulted in again), or glibc's defaults (`--heap stock`); the program starts
   itself again with them when its environment does not hold them (`glibc_tunables` in the
   result). TRL gains more from them than ours (its full-sequence logits are larger).
@@ -79,11 +79,12 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import isolation  # noqa: E402
 from benchmarks.trl_side import trl_dpo, trl_rm  # noqa: E402
-from tasks import heap, lm  # noqa: E402
-from tasks.distributed import LOSSES_ENV  # noqa: E402
-from tasks.params import DPOParams, Params, TrainRMParams, load_params  # noqa: E402
-from tasks.records import parse_prompt  # noqa: E402
-from tasks.reward_model import EncodedPair, prompt_batches  # noqa: E402
+from tasks.core import heap  # noqa: E402
+from tasks.models import lm
+from tasks.runtime.distributed import LOSSES_ENV  # noqa: E402
+from tasks.config.params import DPOParams, Params, TrainRMParams, load_params  # noqa: E402
+from tasks.data.records import parse_prompt  # noqa: E402
+from tasks.reward.reward_model import EncodedPair, prompt_batches  # noqa: E402
 from tasks.stages.prompts import build_prompts, read_lines  # noqa: E402
 
 TRL_VERSION = "1.16.0"
@@ -174,7 +175,7 @@ class Side:
 # 2. our side: the stages' own training functions ------------------------------------------
 
 def _ours(train: Callable[[], Any]) -> Side:
-    """Run one of our training calls with its per-step loss file (tasks/distributed.py)."""
+    """Run one of our training calls with its per-step loss file (tasks/runtime/distributed.py)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "losses.json"
         old = os.environ.get(LOSSES_ENV)
@@ -190,7 +191,7 @@ def _ours(train: Callable[[], Any]) -> Side:
 
 def ours_dpo(model_dir: Path, pairs: Sequence[EncodedPair], p: DPOParams, pad: int,
              seed: int) -> Side:
-    from tasks.dpo import train_dpo
+    from tasks.policy.dpo import train_dpo
     policy, ref = lm.load_causal_lm(model_dir), lm.load_causal_lm(model_dir)
     for w in ref.parameters():
         w.requires_grad_(False)
@@ -199,13 +200,13 @@ def ours_dpo(model_dir: Path, pairs: Sequence[EncodedPair], p: DPOParams, pad: i
 
 def rm_model(model_dir: Path, p: TrainRMParams) -> Any:
     """The reward model both sides start from: the profile's blocks, the head from seed 0."""
-    from tasks.reward_model import init_reward_model
+    from tasks.reward.reward_model import init_reward_model
     return init_reward_model(model_dir, torch.Generator().manual_seed(0), p.num_layers)
 
 
 def ours_rm(model_dir: Path, pairs: Sequence[EncodedPair], p: TrainRMParams, pad: int,
             seed: int) -> Side:
-    from tasks.reward_model import train_reward
+    from tasks.reward.reward_model import train_reward
     model = rm_model(model_dir, p)
     return _ours(lambda: train_reward(model, pairs, p, pad, torch.Generator().manual_seed(seed)))
 
@@ -270,7 +271,7 @@ def ppo_section(model_dir: Path, params: Params, pairs: Sequence[EncodedPair],
     """Our PPO update alone (no TRL counterpart: module docstring) on one rollout per pair (its
     chosen response, pi_old = the policy's own log-probs), through train_bench.bench_ppo."""
     from benchmarks.train_bench import bench_ppo
-    from tasks.records import Rollout
+    from tasks.data.records import Rollout
     from tasks.schemas.generation import GenerationParams
     model = lm.load_causal_lm(model_dir)
     pad = lm.load_tokenizer(model_dir).pad_token_id

@@ -18,8 +18,8 @@ from mlflow.tracking import MlflowClient
 from flows import crashpoints, registry_record
 from flows.registry import POLICY_MODEL
 from flows.workspace import git
-from tasks import atomic
-from tasks.errors import InputError
+from tasks.core import atomic
+from tasks.core.errors import InputError
 
 LEDGER = "registry/aliases.jsonl"
 

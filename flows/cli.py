@@ -16,8 +16,8 @@ from flows.cli_views import (cmd_dag, cmd_lineage, cmd_params, cmd_report, cmd_s
 from flows.run import RunFailed, quiet_prefect
 from flows import targets
 from flows.targets import SETUP_STAGES
-from tasks import layout
-from tasks.errors import InputError
+from tasks.core import layout
+from tasks.core.errors import InputError
 
 DEFAULT_WORKSPACE = "workspace"
 

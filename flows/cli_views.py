@@ -13,9 +13,9 @@ from typing import Any
 
 from flows import workspace as wsmod
 from flows.run import RunFailed
-from tasks import layout
-from tasks.errors import InputError
-from tasks.report import collect_report
+from tasks.core import layout
+from tasks.core.errors import InputError
+from tasks.evaluation.report import collect_report
 
 
 def existing_workspace(workspace: str) -> wsmod.Workspace:
@@ -59,7 +59,7 @@ def _report_page(ws: wsmod.Workspace) -> Path:
     """The `report` stage's page, brought up to date as DVC decides (under the workspace lock,
     like a run); a page built here is in dvc.lock, committed by the next `alignloop run`."""
     from flows import dag
-    from tasks.report import HTML_NAME
+    from tasks.evaluation.report import HTML_NAME
     if not (ws.root / layout.PARAMS_FILE).is_file():
         raise InputError(f"{ws.root}: no params.yaml; run it first")
     try:
@@ -181,7 +181,7 @@ def cmd_dag(args: argparse.Namespace) -> int:
 
 def cmd_params(args: argparse.Namespace) -> int:
     from flows import params_doc
-    from tasks.params import load_params
+    from tasks.config.params import load_params
     params = load_params(Path(args.params)) if args.params else None
     lines = params_doc.render(params, args.key or "")
     if not lines:

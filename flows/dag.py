@@ -20,8 +20,8 @@ import yaml
 from dvc.exceptions import ReproductionError
 from dvc.repo import Repo
 
-from tasks import heap, layout
-from tasks.params import SAFE_LOADER
+from tasks.core import heap, layout
+from tasks.config.params import SAFE_LOADER
 
 # canonical order among stages that DVC leaves unordered (topology always wins)
 STAGE_ORDER = layout.STAGES

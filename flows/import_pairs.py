@@ -1,7 +1,7 @@
 """`alignloop import FILE|DIR ... [--workspace W] [--split S]`: bring a user's preference pairs
 into a workspace, where `collect_offpolicy` (with `offpolicy.source: import`) reads them.
 
-Every row of every input is checked before anything is written (tasks/pair_import.py); bad rows
+Every row of every input is checked before anything is written (tasks/data/pair_import.py); bad rows
 are listed one per line (`file:line: field ...`, up to 20, then a count) and the command exits 2
 with nothing written. Rows whose chosen equals rejected are refused and exact duplicates dropped,
 both counted. The normalised pairs replace `<workspace>/data/import/pairs.jsonl` atomically; a
@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 from flows import workspace as wsmod
-from tasks import jsonl, layout
-from tasks.errors import InputError
-from tasks.pair_import import ImportResult, read_pairs
-from tasks.params import load_params
+from tasks.core import jsonl, layout
+from tasks.core.errors import InputError
+from tasks.data.pair_import import ImportResult, read_pairs
+from tasks.config.params import load_params
 
 SHOWN_REFUSED = 5        # locations of refused (chosen == rejected) rows printed
 

@@ -18,7 +18,7 @@ from typing import Any
 from flows.server import HOST, _free_port, live_state, stop_group, wait_healthy
 from flows.server import healthy as server_healthy
 from flows.workspace import QUIET_ENV, Workspace
-from tasks import layout
+from tasks.core import layout
 
 SERVE = "from transformers.cli.transformers import main; main()"   # the `transformers` script
 

@@ -18,8 +18,8 @@ from mlflow.tracking import MlflowClient
 from flows.registry import params_md5
 from flows.verify import CACHE, object_path
 from flows.workspace import git
-from tasks import layout
-from tasks.errors import InputError
+from tasks.core import layout
+from tasks.core.errors import InputError
 
 URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from tasks.params import Params
+from tasks.config.params import Params
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return " | ".join(str(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is not None:    # tuple[float, ...], dict[str, Iteration]
-        return str(tp).replace("tasks.params.", "")
+        return str(tp).replace("tasks.config.params.", "")
     return getattr(tp, "__name__", str(tp))
 
 

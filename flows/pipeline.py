@@ -25,11 +25,11 @@ from prefect.runtime import flow_run
 from flows import (crashpoints, dag, heartbeats, registry, registry_record, relocate, signals,
                    targets, tracking)
 from flows.workspace import STATE_DIR, Workspace, git, git_bytes
-from tasks import layout
-from tasks.judges import PAIRWISE_KINDS
-from tasks.pairwise import load_template
-from tasks.params import JudgeParams
-from tasks.stage import SUMMARY_FILE_ENV
+from tasks.core import layout
+from tasks.judging.judges import PAIRWISE_KINDS
+from tasks.judging.pairwise import load_template
+from tasks.config.params import JudgeParams
+from tasks.runtime.stage import SUMMARY_FILE_ENV
 
 Summary = dict[str, Any]
 REPORT_ARTIFACT_KEY = "alignloop-report"     # the Prefect artifact (one version per run)
@@ -62,7 +62,7 @@ def warn(msg: str) -> None:
 def run_stage(root: str, name: str, force: bool = False, terminal_cached: bool = True
               ) -> dag.StageRun:
     """Bring one stage instance up to date. Its progress lines go to the terminal and the
-    Prefect log, its summary line (`tasks.stage.say`) to the Prefect log; a stage found up to
+    Prefect log, its summary line (`tasks.runtime.stage.say`) to the Prefect log; a stage found up to
     date goes to the terminal only with `terminal_cached` (the loop's stages: the flow says
     one line per iteration found wholly up to date)."""
     run_id = flow_run.get_id()              # one open DVC repo per flow run: parsed once
@@ -202,7 +202,7 @@ def judge_tags(jp: JudgeParams, root: Path) -> dict[str, str]:
     judges kind:model (or kind:served, the server's one model), its template and its md5; for
     a reward-model judge its directory and weights md5."""
     if jp.kind == "reward_model":
-        from tasks.judge_rm import rm_md5
+        from tasks.judging.judge_rm import rm_md5
         model = (root / Path(jp.model).expanduser()).resolve()
         return {"judge": f"reward_model:{jp.model}", "judge_model_md5": rm_md5(model)}
     if jp.kind not in PAIRWISE_KINDS:
@@ -267,7 +267,7 @@ def publish_report(root: str, last: Summary) -> dict[str, str]:
     `prefect_artifact`). A failing step is a warning, never a failed run."""
     from prefect.artifacts import create_markdown_artifact
 
-    from tasks import report
+    from tasks.evaluation import report
     path = Path(root)
     html = path / layout.REPORT_DIR / report.HTML_NAME
     done: dict[str, str] = {"html": str(html)}

@@ -24,7 +24,7 @@ from pathlib import Path
 from flows.workspace import git
 
 ARTIFACT_ROOTS = ("data", "models", "metrics", "audit", "registry")
-_TEMP = re.compile(r"^\..+\.(tmp|old-\d+)$")         # tasks/atomic.py's temporary names
+_TEMP = re.compile(r"^\..+\.(tmp|old-\d+)$")         # tasks/core/atomic.py's temporary names
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
 
 

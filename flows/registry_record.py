@@ -23,7 +23,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.registry import POLICY_MODEL, REWARD_MODEL
 from flows.workspace import git
-from tasks import atomic
+from tasks.core import atomic
 
 RECORD = "registry/versions.json"
 LOCAL_TAGS = ("workspace",)            # where the recording workspace lay: not the clone's

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from flows import shipped, signals
 from flows import workspace as wsmod
-from tasks.errors import InputError
+from tasks.core.errors import InputError
 
 
 class RunFailed(RuntimeError):

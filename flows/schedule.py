@@ -30,8 +30,8 @@ from prefect.states import Completed, State
 
 from flows import shipped
 from flows.workspace import Busy, Workspace, apply_environment, git, workspace_lock
-from tasks import layout
-from tasks.params import iteration_numbers, parse_params
+from tasks.core import layout
+from tasks.config.params import iteration_numbers, parse_params
 
 Overlap = Literal["wait", "skip"]
 ENTRYPOINT = "flows/schedule.py:tick"   # relative to shipped.code_root(), where a worker loads it

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tasks
-from tasks.errors import InputError
+from tasks.core.errors import InputError
 
 DATA_DIR = "pipeline_data"                  # flows/<DATA_DIR>/ in a built wheel
 PARAMS_DATA = ("prompts", "gold", "judges")  # params/<dir>/*: versioned data the stages read
@@ -77,7 +77,7 @@ class ShippedProfile:
 
 def profiles() -> list[ShippedProfile]:
     """The profiles this installation ships, by name."""
-    from tasks.profiles import BASE_KEY, read_text
+    from tasks.config.profiles import BASE_KEY, read_text
     out = []
     for path in sorted(params_dir().glob("*.yaml"), key=lambda p: p.stem):
         lines = read_text(path).splitlines()

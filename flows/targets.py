@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from flows.workspace import STATE_DIR
-from tasks import atomic, layout
-from tasks.params import TargetParams
+from tasks.core import atomic, layout
+from tasks.config.params import TargetParams
 
 SETUP_STAGES = layout.SETUP_STAGES
 SECONDS_FILE = "stage_seconds.json"      # in .alignloop/: stage -> {seconds, lock fingerprint}
@@ -138,7 +138,7 @@ def assess(root: Path, stages: Sequence[str]) -> dict[str, Any] | None:
     iteration has metrics."""
     from flows.dag import read_lock
     from flows.workspace import Workspace
-    from tasks.report import with_intervals
+    from tasks.evaluation.report import with_intervals
     evaluated = [int(d.name[5:]) for d in (root / layout.METRICS_DIR).glob("iter_*")
                  if d.name[5:].isdigit() and (d / "evaluate.json").is_file()]
     if not evaluated:

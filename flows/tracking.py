@@ -30,7 +30,7 @@ from mlflow.tracking import MlflowClient
 from flows import crashpoints
 from flows.dag import StageRun, fingerprint, flatten
 from flows.verify import object_path
-from tasks import layout
+from tasks.core import layout
 
 EXPERIMENT = "alignloop"
 TAG = "alignloop."
@@ -64,13 +64,13 @@ def code_md5(entry: dict[str, Any]) -> str:
 
 def ran_on(entry: dict[str, Any], outcome: str) -> dict[str, str]:
     """The `device` tag of a stage run: its `device` param resolved as the stage resolved it
-    (tasks/device.py, on this machine: stages run here as the flow's subprocesses). Only for a
+    (tasks/runtime/device.py, on this machine: stages run here as the flow's subprocesses). Only for a
     stage that declares the param and ran now: restored or cached outputs were computed
     earlier, maybe elsewhere, and their param value (auto, say) does not say where."""
     name = entry.get("params", {}).get(layout.PARAMS_FILE, {}).get("device")
     if name is None or outcome != "ran":
         return {}
-    from tasks.device import resolve_device   # torch, not transformers: only here
+    from tasks.runtime.device import resolve_device   # torch, not transformers: only here
     return {f"{TAG}device": str(resolve_device(str(name)))}
 
 

@@ -23,10 +23,10 @@ from typing import Any
 import yaml
 
 from flows import shipped
-from tasks import atomic, layout
-from tasks.errors import InputError
-from tasks.params import SAFE_LOADER, Params, load_params, to_dict
-from tasks.profiles import Profile, read_profile
+from tasks.core import atomic, layout
+from tasks.core.errors import InputError
+from tasks.config.params import SAFE_LOADER, Params, load_params, to_dict
+from tasks.config.profiles import Profile, read_profile
 
 STATE_DIR = ".alignloop"             # Prefect home, MLflow store, DVC remote, server pid/logs
 REMOTE = "local"                     # the default DVC remote: <workspace>/.alignloop/dvc-remote
@@ -202,8 +202,8 @@ def _same(path: Path, data: bytes) -> bool:
 
 def _rendered(root: Path, template: Path) -> bytes:
     """The pipeline declaration for the workspace's params: dvc.yaml (the `template` file)
-    with each `# if:` dep kept or commented out (tasks/conditions.py)."""
-    from tasks import conditions
+    with each `# if:` dep kept or commented out (tasks/config/conditions.py)."""
+    from tasks.config import conditions
     template = template.read_text()
     return conditions.render(template, load_params(root / layout.PARAMS_FILE)).encode()
 
@@ -351,8 +351,8 @@ def prepare(root: Path, params_file: Path | None) -> tuple[Workspace, list[str]]
 
 
 def _check_model_path(p: Params, base: Path) -> None:
-    if p.model.source == "hf_dir":                 # only then: tasks.lm imports torch (~3 s)
-        from tasks.lm import check_model_dir
+    if p.model.source == "hf_dir":                 # only then: tasks.models.lm imports torch (~3 s)
+        from tasks.models.lm import check_model_dir
         check_model_dir((base / Path(p.model.path).expanduser()).resolve())   # absolute wins
 
 
@@ -389,7 +389,7 @@ def profile_text(path: Path) -> str:
     """The profile as the workspace's params.yaml: a relative `model.path` is relative to the
     profile's own directory (the one rule for paths in params), so it is written there as the
     absolute path it names; the rest of the text, comments included, is kept. A profile with
-    a `base:` is written merged (tasks/profiles.py), and keys dvc.yaml names that the profile
+    a `base:` is written merged (tasks/config/profiles.py), and keys dvc.yaml names that the profile
     leaves out are written with their defaults: DVC reads one complete params file."""
     profile = read_profile(path)
     missing = [k for k in stated_keys() if not _has(profile.data, k)]

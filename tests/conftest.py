@@ -91,7 +91,7 @@ def set_params(path: Path, **edits: object) -> None:
     """Set dotted keys (given with `__` for `.`) in a params file; the result must still load."""
     import yaml
 
-    from tasks.params import load_params
+    from tasks.config.params import load_params
     data = yaml.safe_load(path.read_text())
     for dotted, value in edits.items():
         *parents, last = dotted.split("__")
@@ -110,7 +110,7 @@ def tiny_stage_workspace(root: Path) -> Path:
     import shutil
 
     from flows.shipped import PARAMS_DATA
-    from tasks import layout
+    from tasks.core import layout
     (root / "params").mkdir(parents=True)
     for name in PARAMS_DATA:
         shutil.copytree(ROOT / "params" / name, root / "params" / name)
@@ -131,10 +131,10 @@ def read_json(path: Path) -> object:
 @pytest.fixture(scope="session")
 def ray_address() -> object:
     """One local Ray cluster for the session (start-up ~10 s, shared): this process holds it
-    (tasks.ray_pool uses it as it is), and CLI runs reach it through RAY_ADDRESS."""
+    (tasks.runtime.ray_pool uses it as it is), and CLI runs reach it through RAY_ADDRESS."""
     pytest.importorskip("ray")
     import ray
 
-    from tasks import ray_pool
+    from tasks.runtime import ray_pool
     with ray_pool.cluster(2):
         yield ray.get_runtime_context().gcs_address

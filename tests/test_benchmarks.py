@@ -130,8 +130,8 @@ def test_vs_trl_losses_equal_trls_on_a_tiny_model(tmp_path) -> None:
     settings).
     trl comes with `make setup` (the `bench` extra), so this is not skipped there."""
     from benchmarks.vs_trl import TRL_VERSION, measure_vs_trl, trl_version
-    from tasks.params import TinyModelParams
-    from tasks.tiny_model import save_tiny
+    from tasks.config.params import TinyModelParams
+    from tasks.models.tiny_model import save_tiny
     assert trl_version() == TRL_VERSION, "pip install -e '.[bench]' (trl is missing or other)"
     save_tiny(TinyModelParams(), 0, tmp_path)
     out = measure_vs_trl(tmp_path, ["dpo", "rm"], n_pairs=2, repeats=1, epochs=1,
@@ -160,8 +160,8 @@ def test_vs_trl_ppo_runs_trls_ppo_trainer_on_our_rollouts(tmp_path) -> None:
     rollouts (the KL to the reference of the stored rollouts and the mean score agree), and
     both times are real."""
     from benchmarks.trl_ppo import measure_vs_trl_ppo
-    from tasks.params import TinyModelParams
-    from tasks.tiny_model import save_tiny
+    from tasks.config.params import TinyModelParams
+    from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(), 0, tmp_path / "model")
     r = measure_vs_trl_ppo(tmp_path / "model", n_prompts=1, k=8, repeats=1,
                            log=lambda _: None)
@@ -180,8 +180,8 @@ def test_rollout_bench_times_three_sides_on_a_tiny_model(tmp_path) -> None:
     timed and the worst pass's ratio is reported beside the fastest's; the sampler's stored
     log-probs match a full forward pass."""
     from benchmarks.rollout_bench import measure_rollout
-    from tasks.params import TinyModelParams
-    from tasks.tiny_model import save_tiny
+    from tasks.config.params import TinyModelParams
+    from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(), 0, tmp_path)
     out = measure_rollout(tmp_path, n_prompts=3, k=2, max_new_tokens=6, batch_size=6, repeats=2)
     assert out["repeats"] == 2
@@ -209,8 +209,8 @@ def test_train_mfu_trains_every_update_on_a_tiny_model(tmp_path) -> None:
     profile's train_rm fine-tunes for 0 epochs (its probe alone; the bench once timed that
     nothing and reported MFU 0)."""
     from benchmarks.train_bench import SIZES, measure_train_mfu
-    from tasks.params import TinyModelParams
-    from tasks.tiny_model import save_tiny
+    from tasks.config.params import TinyModelParams
+    from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(), 0, tmp_path)
     out = measure_train_mfu(tmp_path, quick=True, kinds=["rm", "dpo"], log=lambda _: None)
     assert out["rm"]["fp32"]["steps"] == SIZES["quick"]["rm_epochs"] * 1      # 16 pairs of 32
@@ -226,11 +226,12 @@ def test_rm_depth_reports_every_depth_and_picks_as_train_rm_would(tiny_run) -> N
 
     import torch
 
-    from tasks import jsonl, layout, lm
-    from tasks.params import load_params
-    from tasks.records import parse_pair
-    from tasks.probe import choose_depth
-    from tasks.reward_model import encode_pairs, heldout_split, init_reward_model
+    from tasks.core import jsonl, layout
+    from tasks.models import lm
+    from tasks.config.params import load_params
+    from tasks.data.records import parse_pair
+    from tasks.reward.probe import choose_depth
+    from tasks.reward.reward_model import encode_pairs, heldout_split, init_reward_model
     ws = tiny_run["ws"]
     proc = subprocess.run([sys.executable, "benchmarks/rm_depth.py", "--workspace", str(ws),
                            "--depths", "1-2"], cwd=ROOT, capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""Conditional inputs (tasks/conditions.py): a dep read under some params only is declared in a
+"""Conditional inputs (tasks/config/conditions.py): a dep read under some params only is declared in a
 workspace's dvc.yaml only where those params hold, so DVC neither reruns the stage for an input
 it never reads nor records it in the lineage; on the user's path with real DVC."""
 from __future__ import annotations
@@ -13,8 +13,9 @@ from pathlib import Path
 import yaml
 
 from conftest import ROOT, TINY, copy_workspace, ran_stages, run_cli, set_params
-from tasks import conditions, layout
-from tasks.params import load_params
+from tasks.config import conditions
+from tasks.core import layout
+from tasks.config.params import load_params
 
 TEMPLATE = (ROOT / "dvc.yaml").read_text()
 

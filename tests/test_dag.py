@@ -128,10 +128,10 @@ def test_a_session_runs_what_changed_and_skips_what_did_not(repo: Path) -> None:
 @pytest.mark.parametrize("users", [None, ""])
 def test_a_stage_process_starts_with_the_heap_settings(
         repo: Path, users: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stage's command, run by DVC through dag.reproduce, sees tasks/heap.py's
+    """The stage's command, run by DVC through dag.reproduce, sees tasks/core/heap.py's
     GLIBC_TUNABLES (glibc reads them when the process starts), unless the user set their own
     (even empty); this process's environment is as before afterwards."""
-    from tasks import heap
+    from tasks.core import heap
     if users is None:
         monkeypatch.delenv(heap.ENV, raising=False)
     else:

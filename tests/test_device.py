@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from conftest import run_cli
-from tasks.device import DeviceError, resolve_device
-from tasks.params import ParamsError, load_params, parse_params
+from tasks.runtime.device import DeviceError, resolve_device
+from tasks.config.params import ParamsError, load_params, parse_params
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "params" / "tiny.yaml"
@@ -30,7 +30,7 @@ def with_device(value: str) -> str:
 
 
 def test_every_profile_states_its_device_with_a_comment() -> None:
-    from tasks.profiles import read_profile
+    from tasks.config.profiles import read_profile
     for profile in sorted((ROOT / "params").glob("*.yaml")):
         file, at = read_profile(profile).lines.get(("device",), (str(profile), 0))  # or its base
         line = Path(file).read_text().splitlines()[at - 1] if at else None

@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 
 from conftest import run_cli, run_stage, tiny_stage_workspace
 
-from tasks import distributed, layout, stage
-from tasks.params import ParamsError, parse_params
+from tasks.core import layout
+from tasks.runtime import distributed, stage
+from tasks.config.params import ParamsError, parse_params
 from tasks.stages import judge, rollout, train_rm, update
 
 from test_dpo_family import SETUP

@@ -16,11 +16,15 @@ from safetensors.torch import load_file
 
 from conftest import run_stage, set_params, tiny_stage_workspace
 
-from tasks import audit, jsonl, layout, lm, reward_model, stage
-from tasks.dpo import _pair_logprobs, offpolicy_indices
-from tasks.losses import (DPO_LOSSES, LENGTH_NORMALISED_LOSSES, cdpo_loss, dpo_sigmoid_loss,
-                          ipo_loss)
-from tasks.records import parse_pair, parse_rollout
+from tasks.core import jsonl, layout
+from tasks.data import audit
+from tasks.models import lm
+from tasks.reward import reward_model
+from tasks.runtime import stage
+from tasks.policy.dpo import _pair_logprobs, offpolicy_indices
+from tasks.functional.losses import (DPO_LOSSES, LENGTH_NORMALISED_LOSSES, cdpo_loss, dpo_sigmoid_loss,
+                                     ipo_loss)
+from tasks.data.records import parse_pair, parse_rollout
 from tasks.stages import (collect_offpolicy, evaluate, judge, prepare_model, prompts,
                           reference_samples, rollout, train_rm, update)
 
@@ -156,7 +160,7 @@ def test_sft_anchor_adds_the_chosen_responses_per_token_nll(ws: Path) -> None:
     """update.dpo.sft_weight w: the loss is DPO's plus w times the per-token NLL of the chosen
     response. Iteration 1 starts at the reference (DPO's first loss is log 2), and one batch
     holds every pair, so the first loss is known exactly from the initial policy."""
-    from tasks.params import load_params
+    from tasks.config.params import load_params
     set_params(ws / layout.PARAMS_FILE, update__dpo__sft_weight=0.5, update__dpo__batch_size=64)
     run_stage(update.main, ws, 1)
     m = metrics(ws, 1, "update")
@@ -355,8 +359,8 @@ def test_rm_pairs_skip_a_response_sampled_twice_whatever_its_scores_last_bits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """All K samples of a prompt the same response: no pair, even when the RM scored its two
     copies a rounding apart (rows of one batch can round differently on some CPUs)."""
-    import tasks.dpo as dpo
-    from tasks.records import Rollout
+    import tasks.policy.dpo as dpo
+    from tasks.data.records import Rollout
     same = [Rollout("p0", (), (1, 2), (5, 6), (-0.1, -0.2), True, "x", "v0", 1)] * 2
     other = [Rollout("p1", (), (1, 3), (r,), (-0.1,), True, "y", "v0", 1) for r in (7, 8)]
     scores = torch.tensor([0.25, 0.25 + 3e-8, 0.1, 0.9])            # the copies part by 3e-8

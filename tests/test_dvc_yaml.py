@@ -1,4 +1,4 @@
-"""dvc.yaml agrees with the code: source deps cover the imports, paths follow tasks/layout.py,
+"""dvc.yaml agrees with the code: source deps cover the imports, paths follow tasks/core/layout.py,
 declared params exist, and every artifact a stage depends on is produced before it."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks import layout
-from tasks.profiles import read_profile
-from tasks.stage import Contract
+from tasks.core import layout
+from tasks.config.profiles import read_profile
+from tasks.runtime.stage import Contract
 
 ROOT = Path(__file__).resolve().parents[1]
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())
@@ -67,10 +67,13 @@ def imports_in(source: str) -> set[str]:
     out: set[str] = set()
     for node in _runtime_nodes(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module in ("tasks", "tasks.stages"):      # from tasks[.stages] import a, b
-                out |= {_module(f"{node.module}.{a.name}") for a in node.names}
-            elif node.module.startswith("tasks."):           # from tasks.x[.y] import z
-                out.add(_module(node.module))
+            if node.module == "tasks" or node.module.startswith("tasks."):
+                for a in node.names:                         # from tasks.room import a, b
+                    sub = _module(f"{node.module}.{a.name}")
+                    if (ROOT / "tasks" / f"{sub}.py").is_file():
+                        out.add(sub)
+                    elif node.module != "tasks":             # from tasks.room.x import z
+                        out.add(_module(node.module))
         elif isinstance(node, ast.Import):                   # import tasks.x
             out |= {_module(a.name) for a in node.names if a.name.startswith("tasks.")}
     return out
@@ -84,7 +87,7 @@ def direct_imports(module: str) -> frozenset[str]:
 
 def closure(module: str) -> set[str]:
     """Every tasks module `module` imports, directly or not, except the section schemas that
-    the loader (tasks/params.py) imports to build a whole Params: a stage reads only the keys
+    the loader (tasks/config/params.py) imports to build a whole Params: a stage reads only the keys
     its contract declares (`Declared`), so of those it depends on its declared sections' only
     (`stage_sources`). A schema class a module imports itself is followed as any import."""
     seen: set[str] = set()
@@ -94,7 +97,7 @@ def closure(module: str) -> set[str]:
         if m not in seen:
             seen.add(m)
             todo.extend(d for d in direct_imports(m)
-                        if not (m == "params" and d.startswith("schemas/")))
+                        if not (m == "config/params" and d.startswith("schemas/")))
     return seen
 
 
@@ -195,7 +198,9 @@ def test_source_deps_exist(name: str) -> None:
 
 STAGE_MODULES = sorted(f"stages/{f.stem}" for f in (ROOT / "tasks" / "stages").glob("*.py")
                        if f.stem != "__init__")
-LIBRARIES = sorted(f.stem for f in (ROOT / "tasks").glob("*.py") if f.stem != "__init__")
+LIBRARIES = sorted(f.relative_to(ROOT / "tasks").with_suffix("").as_posix()
+                   for f in (ROOT / "tasks").glob("*/*.py")
+                   if f.stem != "__init__" and f.parent.name not in ("stages", "schemas"))
 
 
 def test_every_stage_module_is_a_stage() -> None:
@@ -212,10 +217,9 @@ def test_no_stage_imports_another(module: str) -> None:
 
 
 def test_packages_hold_no_code() -> None:
-    """tasks/__init__.py, tasks/stages/__init__.py and tasks/schemas/__init__.py run on a
-    stage's import but are no dep of any: a docstring at most."""
-    for init in (ROOT / "tasks" / "__init__.py", ROOT / "tasks" / "stages" / "__init__.py",
-                 ROOT / "tasks" / "schemas" / "__init__.py"):
+    """The packages' __init__ files (tasks/, each room, stages/, schemas/) run on a stage's
+    import but are no dep of any: a docstring at most."""
+    for init in sorted((ROOT / "tasks").rglob("__init__.py")):
         tree = ast.parse(init.read_text())
         assert all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
                    for n in tree.body), f"{init.relative_to(ROOT)} holds code"
@@ -225,13 +229,16 @@ def test_isolation_check_sees_every_form_of_a_stage_import() -> None:
     for line in ("from tasks.stages import rollout", "from tasks.stages.rollout import main",
                  "import tasks.stages.rollout", "def f():\n    from tasks.stages import rollout"):
         assert imports_in(line) == {"stages/rollout"}, line
-    assert imports_in("from tasks import generation, layout") == {"generation", "layout"}
+    assert imports_in("from tasks.models import generation, lm") == {"models/generation",
+                                                                       "models/lm"}
+    assert imports_in("from tasks.core.layout import POOL") == {"core/layout"}
+    assert imports_in("import tasks.core.layout") == {"core/layout"}
 
 
 def test_schema_classes_are_imported_from_their_schema_module() -> None:
-    """tasks/params.py re-exports the schema for whole-profile readers (flows, tests); a module
+    """tasks/config/params.py re-exports the schema for whole-profile readers (flows, tests); a module
     in tasks/ that imported a class through it would hide that schema from `stage_sources`."""
-    tree = ast.parse((ROOT / "tasks" / "params.py").read_text())
+    tree = ast.parse((ROOT / "tasks" / "config" / "params.py").read_text())
     own = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | \
         {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
          for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
@@ -240,14 +247,14 @@ def test_schema_classes_are_imported_from_their_schema_module() -> None:
         if path.name == "params.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "tasks.params":
+            if isinstance(node, ast.ImportFrom) and node.module == "tasks.config.params":
                 through = sorted({a.name for a in node.names} - own)
                 assert not through, f"{path.relative_to(ROOT)}: import {through} from " \
-                    "tasks.schemas.<section>, not through tasks.params"
+                    "tasks.schemas.<section>, not through tasks.config.params"
 
 
 def test_every_section_has_its_schema_module() -> None:
-    from tasks.params import Params
+    from tasks.config.params import Params
     sections = {f.name for f in dataclasses.fields(Params)} - {"seed", "device", "iterations"}
     assert sections == {f.stem for f in (ROOT / "tasks" / "schemas").glob("*.py")} - \
         {"__init__", "generation"}
@@ -257,15 +264,15 @@ def test_every_section_has_its_schema_module() -> None:
 
 def test_import_scanner_sees_every_import_form() -> None:
     prepare = direct_imports("stages/prepare_model")
-    assert {"atomic", "layout", "lm", "stage"} <= prepare                 # from tasks import
+    assert {"core/atomic", "core/layout", "models/lm", "runtime/stage"} <= prepare  # a room's
     assert "schemas/model" in prepare                                     # from tasks.x.y import
-    assert {"tiny_model", "gguf_convert"} <= prepare                      # in a function
+    assert {"models/tiny_model", "models/gguf_convert"} <= prepare        # in a function
     evaluate = "stages/evaluate"
-    assert "sampling" in closure(evaluate) and "sampling" not in direct_imports(evaluate)
-    assert "probe" not in direct_imports("reward_model")     # under `if TYPE_CHECKING:` only
-    assert "probe" in direct_imports("stages/train_rm")
-    assert imports_in("if TYPE_CHECKING:\n    import tasks.a\nelse:\n    import tasks.b\n") \
-        == {"b"}
+    assert "models/sampling" in closure(evaluate)
+    assert "models/sampling" not in direct_imports(evaluate)
+    assert "reward/probe" in direct_imports("stages/train_rm")
+    assert imports_in("if TYPE_CHECKING:\n    import tasks.core.a\nelse:\n    import tasks.core.b\n") \
+        == {"core/b"}
 
 
 # --- artifact paths ---------------------------------------------------------------------------
@@ -373,12 +380,12 @@ def test_templated_values_exist_in_tiny() -> None:
                     lookup(TINY, ref)        # raises KeyError when the profile lacks it
 
 
-# --- conditional deps (tasks/conditions.py) ----------------------------------------------------
+# --- conditional deps (tasks/config/conditions.py) ----------------------------------------------------
 
 def test_conditional_deps_are_the_contracts_when() -> None:
     """Each dep dvc.yaml marks `# if: NAME` is one the stage's contract reads under NAME, and
     the other way round; a stage with conditional deps checks them before it reads."""
-    from tasks import conditions
+    from tasks.config import conditions
     text = (ROOT / "dvc.yaml").read_text()
     marked: dict[tuple[str, str], set[str]] = {}
     stage = None

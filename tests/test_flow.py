@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import run_cli
-from tasks import layout
+from tasks.core import layout
 
 ITERATIONS = (1, 2)
 

@@ -1,7 +1,7 @@
 """The promotion gate's decision: every check named, with its value and threshold."""
 from __future__ import annotations
 
-from tasks.params import GateParams
+from tasks.config.params import GateParams
 from tasks.stages.gate import decide
 
 GOOD = {"eval/win_rate": 0.8, "eval/win_rate_ci_low": 0.6, "eval/kl": 3.0}
@@ -45,7 +45,7 @@ def test_gold_win_rate_checked_only_when_asked():
 
 
 def test_hacking_monitors_flag_length_drift_and_rm_disagreement():
-    from tasks.params import MonitorParams
+    from tasks.config.params import MonitorParams
     from tasks.stages.evaluate import hacking_flags
     p = MonitorParams(max_length_drift=0.3, max_rm_disagreement_ratio=2.0)
     calm = hacking_flags({"eval/length_ratio": 1.2, "eval/rm_disagreement": 0.1,

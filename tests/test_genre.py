@@ -1,4 +1,4 @@
-"""The gold evaluator's review check (tasks/genre.py): sentence split, its versioned examples,
+"""The gold evaluator's review check (tasks/evaluation/genre.py): sentence split, its versioned examples,
 and what it measures on the hand-labelled calibration set (benchmarks/data/genre_labels.jsonl)."""
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.calibrate_genre import at_threshold  # noqa: E402
-from tasks import jsonl  # noqa: E402
-from tasks.genre import read_examples, sentences  # noqa: E402
-from tasks.gold import GoldEvaluator, GoldScore, gold_verdict  # noqa: E402
-from tasks.jsonl import DataError  # noqa: E402
-from tasks.params import GoldParams, load_params  # noqa: E402
+from tasks.core import jsonl  # noqa: E402
+from tasks.evaluation.genre import read_examples, sentences  # noqa: E402
+from tasks.evaluation.gold import GoldEvaluator, GoldScore, gold_verdict  # noqa: E402
+from tasks.core.jsonl import DataError  # noqa: E402
+from tasks.config.params import GoldParams, load_params  # noqa: E402
 
 LABELS = ROOT / "benchmarks/data/genre_labels.jsonl"
 # the letters and replies the issue found the default policy writing instead of reviews

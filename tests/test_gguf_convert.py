@@ -11,7 +11,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
-from tasks.gguf_convert import PIP_HINT, convert_gguf_to_hf, find_packaged_gguf
+from tasks.models.gguf_convert import PIP_HINT, convert_gguf_to_hf, find_packaged_gguf
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 

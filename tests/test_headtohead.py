@@ -1,4 +1,4 @@
-"""Candidate against champion on the select prompts (tasks/headtohead.py), the select prompt set
+"""Candidate against champion on the select prompts (tasks/evaluation/headtohead.py), the select prompt set
 (stage prompts) and the gate's head-to-head rule."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks import headtohead
-from tasks.jsonl import DataError
+from tasks.evaluation import headtohead
+from tasks.core.jsonl import DataError
 from tasks.schemas.gate import GateParams
 from tasks.schemas.prompts import PromptParams
 from tasks.stages.gate import decide

@@ -1,4 +1,4 @@
-"""The stage processes' malloc settings (tasks/heap.py): they take effect, and a user's win."""
+"""The stage processes' malloc settings (tasks/core/heap.py): they take effect, and a user's win."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import heap
+from tasks.core import heap
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,8 +91,8 @@ def test_a_benchmark_restarts_itself_under_the_chosen_heap(tmp_path, choice, exp
 def test_heap_ab_losses_equal_on_a_tiny_model(tmp_path) -> None:
     """`python -m benchmarks.heap_ab` on a tiny model, one pass per side: every training call
     ran in its own process under each setting and the losses are equal to the bit."""
-    from tasks.params import TinyModelParams
-    from tasks.tiny_model import save_tiny
+    from tasks.config.params import TinyModelParams
+    from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(), 0, tmp_path)
     out = subprocess.run([sys.executable, "-m", "benchmarks.heap_ab", "--model", str(tmp_path),
                           "--kinds", "dpo,rm", "--repeats", "1"], cwd=ROOT, check=True,

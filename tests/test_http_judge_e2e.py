@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_cli
-from tasks import layout
-from tasks.pairwise import CRASH_ENV
+from tasks.core import layout
+from tasks.judging.pairwise import CRASH_ENV
 
 PROFILE = ROOT / "params" / "tiny-http-judge.yaml"
 TEMPLATE = ROOT / "params" / "judges" / "pairwise_review.txt"
@@ -37,8 +37,8 @@ def cached(ws: Path) -> int:
 
 @pytest.mark.slow
 def test_tiny_loop_with_the_http_judge_against_transformers_serve(tmp_path: Path) -> None:
-    from tasks.params import TinyModelParams
-    from tasks.tiny_model import save_tiny
+    from tasks.config.params import TinyModelParams
+    from tasks.models.tiny_model import save_tiny
     model = tmp_path / "judge-model"
     save_tiny(TinyModelParams(), 1, model)
     ws = tmp_path / "ws"
@@ -94,5 +94,5 @@ def test_tiny_loop_with_the_http_judge_against_transformers_serve(tmp_path: Path
 
 
 def _read(path: Path):
-    from tasks import jsonl
+    from tasks.core import jsonl
     return jsonl.read(path)

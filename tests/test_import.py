@@ -13,7 +13,7 @@ import yaml
 from conftest import TINY, copy_workspace, read_json, run_cli, set_params
 from flows import cli
 from flows import workspace as wsmod
-from tasks import layout
+from tasks.core import layout
 
 MOVIES = ["Alien", "Jaws", "Heat", "Up", "Big", "Rocky", "Fargo", "Psycho"]
 
@@ -83,7 +83,7 @@ def test_import_then_run_trains_the_policy_on_the_imported_pairs(tiny_run, tmp_p
         return next((d["md5"] for d in lock["update@1"]["deps"]
                      if d["path"] == layout.pairs_pool(0)), None)
     # the update read the imported pool; the cold start's (offpolicy_mix 0) read none, so it
-    # does not depend on one (tasks/conditions.py)
+    # does not depend on one (tasks/config/conditions.py)
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
     imported = next(o["md5"] for o in lock["collect_offpolicy"]["outs"]
                     if o["path"] == layout.pairs_pool(0))

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks.judge_http import Endpoint, HttpBackend, endpoint_from_env
-from tasks.judges import judge_pairs, make_judge
-from tasks.pairwise import JudgeStats
-from tasks.params import JudgeParams
-from tasks.records import Message
+from tasks.judging.judge_http import Endpoint, HttpBackend, endpoint_from_env
+from tasks.judging.judges import judge_pairs, make_judge
+from tasks.judging.pairwise import JudgeStats
+from tasks.config.params import JudgeParams
+from tasks.data.records import Message
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = (Message("user", "Write a short review of Jaws."),)
@@ -175,8 +175,8 @@ def test_endpoint_from_env_prefers_our_names() -> None:
 
 
 def test_served_model_names_the_judge_when_judge_model_is_empty(server) -> None:
-    from tasks.errors import InputError
-    from tasks.judge_http import served_model
+    from tasks.core.errors import InputError
+    from tasks.judging.judge_http import served_model
 
     class Models(BaseHTTPRequestHandler):
         def do_GET(self) -> None:      # noqa: N802

@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from conftest import set_params
-from tasks import jsonl, layout
-from tasks.judge_llm import LocalLMBackend
-from tasks.pairwise import JudgeStats
-from tasks.params import load_params
+from tasks.core import jsonl, layout
+from tasks.judging.judge_llm import LocalLMBackend
+from tasks.judging.pairwise import JudgeStats
+from tasks.config.params import load_params
 from tasks.stages import collect_offpolicy, judge, prepare_model, prompts, rollout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,8 +168,8 @@ def test_http_judge_reports_its_agreement_with_the_audit_labels(http_workspace: 
     """People audited some earlier pairs (audit/labels.jsonl): the judge stage shows each one to
     the judge in both orders and reports how often it sides with the person. The server prefers
     the shorter response, so its agreement is known exactly from the labels."""
-    from tasks.audit import pair_id
-    from tasks.records import parse_pair
+    from tasks.data.audit import pair_id
+    from tasks.data.records import parse_pair
     path = http_workspace / layout.pairs_pool(0)
     pool = [parse_pair(r, str(path), n, "unknown") for n, r in jsonl.read(path)]
     sided = [p for p in pool if len(p.chosen) != len(p.rejected)]
@@ -209,9 +209,9 @@ def test_reward_model_judge_scores_as_the_models_own_forward(base: Path, user_rm
     import torch
     import transformers
 
-    from tasks import lm
-    from tasks.judge_rm import RewardModelJudge
-    from tasks.records import parse_rollout
+    from tasks.models import lm
+    from tasks.judging.judge_rm import RewardModelJudge
+    from tasks.data.records import parse_rollout
     path = base / layout.rollouts(1)
     rollouts = [parse_rollout(r, str(path), n) for n, r in jsonl.read(path)][:6]
     judge = RewardModelJudge(user_rm, 0.05, 1, 512)
@@ -229,8 +229,8 @@ def test_reward_model_judge_scores_as_the_models_own_forward(base: Path, user_rm
 def test_reward_model_judge_stage_pairs_best_against_worst(base: Path, user_rm: Path) -> None:
     """judge.kind: reward_model through the judge stage: per prompt the highest-reward sample is
     chosen over the lowest; the pairs name the model and its weights' md5."""
-    from tasks.judge_rm import RewardModelJudge, rm_md5
-    from tasks.records import parse_rollout
+    from tasks.judging.judge_rm import RewardModelJudge, rm_md5
+    from tasks.data.records import parse_rollout
     root = base.parent / "rm-judge"
     shutil.copytree(base, root)
     set_judge(root, kind="reward_model", model=str(user_rm))
@@ -259,8 +259,8 @@ def test_reward_model_judge_stage_pairs_best_against_worst(base: Path, user_rm: 
 
 
 def test_reward_model_judge_refuses_a_model_that_is_not_one(base: Path) -> None:
-    from tasks.judge_rm import RewardModelJudge
-    from tasks.lm import ModelError
+    from tasks.judging.judge_rm import RewardModelJudge
+    from tasks.models.lm import ModelError
     with pytest.raises(ModelError, match="not a reward model"):
         RewardModelJudge(base / layout.policy(0), 0.05, 1, 512)
 

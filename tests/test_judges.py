@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tasks.judges import (LexiconJudge, Verdict, judge_pair, make_judge, verdict_from_scores,
-                          verdict_rates)
-from tasks.labelling import judge_groups, ranked_pairs
-from tasks.params import JudgeParams
-from tasks.records import Message, Prompt
-from tasks.winrate import win_rate
+from tasks.judging.judges import (LexiconJudge, Verdict, judge_pair, make_judge, verdict_from_scores,
+                                  verdict_rates)
+from tasks.judging.labelling import judge_groups, ranked_pairs
+from tasks.config.params import JudgeParams
+from tasks.data.records import Message, Prompt
+from tasks.evaluation.winrate import win_rate
 
 PROMPT: Prompt = (Message("user", "Write a short review of Jaws."),)
 POSITIVE = "A wonderful, brilliant and beautiful film. I loved it, a true masterpiece!"
@@ -241,8 +241,8 @@ def test_judge_groups_two_pairs_per_prompt() -> None:
 
 
 def test_title_words_and_mentions() -> None:
-    from tasks.judges import mentions, title_words
-    from tasks.records import Message
+    from tasks.judging.judges import mentions, title_words
+    from tasks.data.records import Message
     prompt = (Message("user", "Write a short review of the movie Dr. Strangelove (1964)."),)
     assert title_words(prompt) == {"dr", "strangelove", "1964"}
     assert mentions(prompt, "Strangelove is a sharp satire.")
@@ -261,9 +261,9 @@ def test_title_words_and_mentions() -> None:
 
 
 def test_the_judge_builds_with_its_title_match() -> None:
-    from tasks.judges import make_judge
-    from tasks.params import JudgeParams
-    from tasks.records import Message
+    from tasks.judging.judges import make_judge
+    from tasks.config.params import JudgeParams
+    from tasks.data.records import Message
     prompt = (Message("user", "Write a short review of Bringing Up Baby (1938)."),)
     text = "A wonderful baby, a wonderful film."
     loose = make_judge(JudgeParams(kind="lexicon_review", title_match="any"))
@@ -273,8 +273,8 @@ def test_the_judge_builds_with_its_title_match() -> None:
 
 
 def test_topic_judge_penalises_responses_that_do_not_name_the_subject() -> None:
-    from tasks.params import JudgeParams
-    from tasks.records import Message
+    from tasks.config.params import JudgeParams
+    from tasks.data.records import Message
     judge = make_judge(JudgeParams(kind="lexicon_topic", off_topic_penalty=1.0))
     prompt = (Message("user", "Give a brief review of the film Casablanca (1942)."),)
     review = "Casablanca is a good film with a fine cast."
@@ -299,7 +299,7 @@ def test_topic_judge_penalises_responses_that_do_not_name_the_subject() -> None:
     ("Jaws: rating 5/5. Why does it still work? Spielberg's restraint.", False),
 ])
 def test_correspondence_cues(text: str, expected: bool) -> None:
-    from tasks.judges import correspondence
+    from tasks.judging.judges import correspondence
     assert correspondence(text) is expected
 
 
@@ -334,5 +334,5 @@ def test_margin_pairs_join_the_pool_only() -> None:
 ])
 def test_announcements_about_the_writer_are_correspondence(text: str) -> None:
     """v2 cues: what seed 0's policy wrote at iteration 2 once letters were penalised."""
-    from tasks.judges import correspondence
+    from tasks.judging.judges import correspondence
     assert correspondence(text)

@@ -1,4 +1,4 @@
-"""The KL budget (tasks/kl_budget.py): DPO stops at the last state within its KL target, with
+"""The KL budget (tasks/policy/kl_budget.py): DPO stops at the last state within its KL target, with
 those weights restored; the measurement is the evaluation's k1 estimate."""
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from tasks.dpo import train_dpo
-from tasks.kl_budget import KLGuard, guard_prompts
-from tasks.reward_model import EncodedPair
+from tasks.policy.dpo import train_dpo
+from tasks.policy.kl_budget import KLGuard, guard_prompts
+from tasks.reward.reward_model import EncodedPair
 from tasks.schemas.generation import GenerationParams
 from tasks.schemas.model import TinyModelParams
 from tasks.schemas.update import DPOParams, KLBudgetParams
-from tasks.tiny_model import build_tiny_model
+from tasks.models.tiny_model import build_tiny_model
 
 VOCAB = 64
 SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}

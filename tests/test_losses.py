@@ -1,4 +1,4 @@
-"""Exact values of the losses and estimators in tasks/losses.py."""
+"""Exact values of the losses and estimators in tasks/functional/losses.py."""
 from __future__ import annotations
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from tasks.losses import (bradley_terry_loss, dpo_implicit_rewards, dpo_sigmoid_loss, kl_k1,
-                          kl_k3, ppo_clip_loss, whiten)
+from tasks.functional.losses import (bradley_terry_loss, dpo_implicit_rewards, dpo_sigmoid_loss, kl_k1,
+                                     kl_k3, ppo_clip_loss, whiten)
 
 
 def t(*xs: float) -> torch.Tensor:

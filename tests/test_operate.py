@@ -61,7 +61,7 @@ def test_rm_param_reruns_rm_training_and_what_follows_only(ws):
     upstream = {"prompts", "prepare_model", "collect_offpolicy", "reference_samples",
                 "rollout@1", "judge@1"}
     assert not upstream & set(ran)
-    # DPO on the judge's pairs never reads the RM: the updates stay (tasks/conditions.py)
+    # DPO on the judge's pairs never reads the RM: the updates stay (tasks/config/conditions.py)
     assert "evaluate@1" in ran and not [s for s in ran if s.startswith("update@")]
 
 

@@ -15,9 +15,10 @@ import torch
 import transformers
 
 from conftest import TINY, run_cli, set_params
-from tasks import layout, lm
-from tasks.tiny_model import CACHE_ENV
-from tasks.tiny_model import tokenizer as smollm2_tokenizer
+from tasks.core import layout
+from tasks.models import lm
+from tasks.models.tiny_model import CACHE_ENV
+from tasks.models.tiny_model import tokenizer as smollm2_tokenizer
 
 MAX_NEW = 12                              # rollout.generation.max_new_tokens in tiny.yaml
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 import transformers
 
-from tasks import lm
-from tasks.params import TinyModelParams
-from tasks.reward_model import EncodedPair, RewardEnsemble, member_pair_rewards, member_rewards
-from tasks.tiny_model import build_tiny_model
-from tasks.value_head import ValueHead, logprobs_and_values
+from tasks.models import lm
+from tasks.config.params import TinyModelParams
+from tasks.reward.reward_model import EncodedPair, RewardEnsemble, member_pair_rewards, member_rewards
+from tasks.models.tiny_model import build_tiny_model
+from tasks.policy.value_head import ValueHead, logprobs_and_values
 from test_sampling import Wrapped
 
 VOCAB = 300
@@ -232,7 +232,7 @@ def test_packing_is_exact_under_the_models_attention_implementation(impl, tmp_pa
     every token saw the future and the row's other responses). Loaded by the stages' own
     loaders (`lm.load_causal_lm`, `init_reward_model` on it as backbone), packed log-probs,
     values and RM scores equal a plain unpacked forward."""
-    from tasks.reward_model import init_reward_model
+    from tasks.reward.reward_model import init_reward_model
     prompts, responses = _random_plan(3)
     _policy().save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -1,6 +1,6 @@
 """TRL's preference formats on canned rows: the extracted prompt and completions, exactly; the
-reading of every input kind with every bad row reported (tasks/pair_formats.py,
-tasks/pair_import.py, through records.parse_pair)."""
+reading of every input kind with every bad row reported (tasks/data/pair_formats.py,
+tasks/data/pair_import.py, through records.parse_pair)."""
 from __future__ import annotations
 
 import json
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from tasks.jsonl import DataError
-from tasks.pair_formats import IdenticalPair, common_prefix_length, explicit, hh_messages
-from tasks.pair_import import read_pairs
-from tasks.records import Message, parse_pair
+from tasks.core.jsonl import DataError
+from tasks.data.pair_formats import IdenticalPair, common_prefix_length, explicit, hh_messages
+from tasks.data.pair_import import read_pairs
+from tasks.data.records import Message, parse_pair
 from tasks.stages.collect_offpolicy import import_pairs, inside_import_dir
 
 HH_PROMPT = ("\n\nHuman: Recommend a film.\n\nAssistant: Alien is good.\n\nHuman: Why?"

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from tasks.jsonl import DataError
-from tasks.records import Message, PreferencePair, Sampled, parse_pair
+from tasks.core.jsonl import DataError
+from tasks.data.records import Message, PreferencePair, Sampled, parse_pair
 
 PROMPT = (Message("user", "Review Jaws."),)
 TOKENS = {"Great fun": Sampled((5, 6, 2), True), "Dull and": Sampled((7, 8, 9), False)}
@@ -33,7 +33,7 @@ def test_text_only_pair_record_is_unchanged() -> None:
 
 
 def test_swap_by_replace_keeps_every_text_with_its_tokens() -> None:
-    swapped = replace(_pair(), chosen="Dull and", rejected="Great fun")   # as tasks/audit.py
+    swapped = replace(_pair(), chosen="Dull and", rejected="Great fun")   # as tasks/data/audit.py
     rec = swapped.to_record()
     assert (rec["chosen_ids"], rec["chosen_finished"]) == ([7, 8, 9], False)
     assert (rec["rejected_ids"], rec["rejected_finished"]) == ([5, 6, 2], True)

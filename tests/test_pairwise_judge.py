@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from tasks.judges import judge_pair, judge_pairs, make_judge, swapped
-from tasks.labelling import judge_all, pairwise_groups, seeded_pairs
-from tasks.pairwise import (JudgeStats, PairwiseLLMJudge, Reply, Template, load_template,
-                            parse_verdict)
-from tasks.params import JudgeParams
-from tasks.records import Message, Prompt
-from tasks.verdict_cache import VerdictCache, cache_key
+from tasks.judging.judges import judge_pair, judge_pairs, make_judge, swapped
+from tasks.judging.labelling import judge_all, pairwise_groups, seeded_pairs
+from tasks.judging.pairwise import (JudgeStats, PairwiseLLMJudge, Reply, Template, load_template,
+                                    parse_verdict)
+from tasks.config.params import JudgeParams
+from tasks.data.records import Message, Prompt
+from tasks.judging.verdict_cache import VerdictCache, cache_key
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT: Prompt = (Message("system", "You are helpful."),
@@ -49,7 +49,7 @@ def test_shipped_template_loads_and_its_md5_is_the_file_md5() -> None:
 
 
 def test_template_without_a_slot_is_refused(tmp_path: Path) -> None:
-    from tasks.errors import InputError
+    from tasks.core.errors import InputError
     (tmp_path / "t.txt").write_text("{prompt} {first}")
     with pytest.raises(InputError, match=r"t.txt: judge template lacks the slot\(s\) \{second\}"):
         load_template(tmp_path, "t.txt")
@@ -156,7 +156,7 @@ def test_pairwise_groups_pairs_and_metrics() -> None:
 
 
 def test_judge_all_keeps_the_pointwise_path() -> None:
-    from tasks.labelling import judge_groups, pool_margin
+    from tasks.judging.labelling import judge_groups, pool_margin
     lex = make_judge(JudgeParams(kind="lexicon"))
     groups = [(PROMPT, ["A wonderful film.", "An awful film.", "A film."], {"prompt_id": "p"})]
     jp = JudgeParams(kind="lexicon", pool_pairs="all")
@@ -205,7 +205,7 @@ def test_cache_key_depends_on_identity_prompt_and_order() -> None:
 # --- params -----------------------------------------------------------------------------------
 
 def test_pairwise_params_are_checked(tmp_path: Path) -> None:
-    from tasks.params import ParamsError, load_params
+    from tasks.config.params import ParamsError, load_params
     text = (ROOT / "params" / "tiny.yaml").read_text()
     bad = tmp_path / "p.yaml"
     bad.write_text(text.replace("  kind: lexicon\n", "  kind: llm\n"))
@@ -219,7 +219,7 @@ def test_pairwise_params_are_checked(tmp_path: Path) -> None:
 
 
 def test_http_judge_needs_an_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tasks.errors import InputError
+    from tasks.core.errors import InputError
     for k in ("ALIGNLOOP_JUDGE_URL", "OPENAI_BASE_URL"):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(InputError, match="export ALIGNLOOP_JUDGE_URL"):
@@ -240,7 +240,7 @@ def test_registry_tags_name_the_template_md5_for_pairwise_judges_only() -> None:
     import hashlib
 
     from flows.pipeline import judge_tags
-    from tasks.params import load_params
+    from tasks.config.params import load_params
     assert judge_tags(load_params(ROOT / "params" / "tiny.yaml").judge, ROOT) == \
         {"judge": "lexicon:vader-v1"}
     md5 = hashlib.md5((ROOT / "params/judges/pairwise_review.txt").read_bytes()).hexdigest()
@@ -258,12 +258,12 @@ def test_crash_hook_kills_after_n_cached_batches(tmp_path: Path) -> None:
 import sys; sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'tests')!r})
 from pathlib import Path
 from test_pairwise_judge import PROMPT, judge_with, prefers
-from tasks.judges import judge_pairs
-from tasks.verdict_cache import VerdictCache
+from tasks.judging.judges import judge_pairs
+from tasks.judging.verdict_cache import VerdictCache
 cache = VerdictCache(Path({str(tmp_path / 'c.sqlite')!r}), "id")
 judge_pairs(judge_with(prefers("good"), cache, batch=4), [(PROMPT, f"good {{i}}", f"bad {{i}}") for i in range(6)])
 """
-    from tasks.pairwise import CRASH_ENV
+    from tasks.judging.pairwise import CRASH_ENV
     proc = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ,
                                                                 CRASH_ENV: "2"})
     assert proc.returncode == -9
@@ -271,7 +271,7 @@ judge_pairs(judge_with(prefers("good"), cache, batch=4), [(PROMPT, f"good {{i}}"
 
 
 def test_a_judge_that_answers_nothing_fails_the_stage_in_one_line() -> None:
-    from tasks.pairwise import JudgeUnavailable
+    from tasks.judging.pairwise import JudgeUnavailable
     judge = judge_with(lambda t: Reply("invalid", "HTTP 401", answered=False))
     groups = [(PROMPT, ["a", "b", "c"], {"prompt_id": "p"})]
     with pytest.raises(JudgeUnavailable, match=r"scripted judge \(iter_1\): the judge answered "

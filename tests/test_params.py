@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.params import Params, ParamsError, load_params, parse_params, to_dict
+from tasks.config.params import Params, ParamsError, load_params, parse_params, to_dict
 
 PARAMS_DIR = Path(__file__).resolve().parents[1] / "params"
 PROFILES = sorted(PARAMS_DIR.glob("*.yaml"))
@@ -298,6 +298,6 @@ def test_offpolicy_mix_auto_mixes_imported_pairs_in(offpolicy: str, mix: str,
 
 
 def test_offpolicy_mix_profiles_say_auto() -> None:
-    from tasks.profiles import read_profile
+    from tasks.config.profiles import read_profile
     for path in PROFILES:                                    # as written, in it or its base
         assert read_profile(path).data["update"]["dpo"]["offpolicy_mix"] == "auto", path.name

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT, run_cli
 from flows import params_doc
-from tasks.params import load_params
+from tasks.config.params import load_params
 
 PROFILES = sorted((ROOT / "params").glob("*.yaml"))
 

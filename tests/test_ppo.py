@@ -18,12 +18,14 @@ import transformers
 from safetensors.torch import load_file
 
 from conftest import run_stage, set_params
-from tasks import jsonl, layout, stage, value_head
-from tasks.losses import ppo_clip_loss, ppo_value_loss
-from tasks.params import PPOParams, ReuseParams
-from tasks.ppo import (REPLAY_FILE, gae, make_experience, minibatch_loss, prompt_minibatches,
-                       shape_scores, token_rewards, train_ppo)
-from tasks.records import Message, Rollout
+from tasks.core import jsonl, layout
+from tasks.policy import value_head
+from tasks.runtime import stage
+from tasks.functional.losses import ppo_clip_loss, ppo_value_loss
+from tasks.config.params import PPOParams, ReuseParams
+from tasks.policy.ppo import (REPLAY_FILE, gae, make_experience, minibatch_loss, prompt_minibatches,
+                              shape_scores, token_rewards, train_ppo)
+from tasks.data.records import Message, Rollout
 from tasks.schemas.generation import GenerationParams
 from tasks.stages import (collect_offpolicy, judge, prepare_model, prompts, reference_samples,
                           rollout, train_rm, update)
@@ -156,7 +158,7 @@ def lm_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
 def fake_rollouts(policy: torch.nn.Module, n: int, seed: int, it: int = 1,
                   finished: list[bool] | None = None, shift: float = 0.0) -> list[Rollout]:
     """Random responses with the policy's own log-probs (minus `shift`: a different mu)."""
-    from tasks import lm
+    from tasks.models import lm
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
@@ -184,7 +186,7 @@ def test_full_objective_at_ratio_one_is_the_plain_policy_gradient(lm_pair: Any) 
     loss, _ = minibatch_loss(policy, head, exp, idx, p, 0, 1.0)
     params = [q for q in policy.parameters()]
     g_ppo = torch.autograd.grad(loss, params, allow_unused=True)
-    from tasks import lm
+    from tasks.models import lm
     logp, m = lm.response_logprobs(policy, exp.prompts, exp.responses, 0)
     pg = -(exp.advantages * logp * m).sum() / m.sum()                # REINFORCE, token mean
     g_pg = torch.autograd.grad(pg, params, allow_unused=True)
@@ -214,7 +216,7 @@ def test_kl_in_reward_or_in_loss(lm_pair: Any, estimator: str) -> None:
     assert m_r["update/kl_to_ref_per_token"] == m_r[f"update/kl_{estimator}_per_token"]
     assert m_r["update/kl_k3_per_token"] >= 0 and m_r["update/kl_k1_per_token"] != 0
     # reward mode: the returns (V = 0, lambda = 1) carry -kl_coef * sum of the estimate
-    from tasks.losses import kl_k1, kl_k3
+    from tasks.functional.losses import kl_k1, kl_k3
     est = {"k1": kl_k1, "k3": kl_k3}[estimator](exp_r.old_logprobs, exp_r.ref_logprobs)
     g0 = scores - 0.5 * (est * exp_r.mask).sum(-1)
     assert exp_r.returns[:, 0].tolist() == pytest.approx(g0.tolist(), abs=1e-5)
@@ -368,7 +370,7 @@ def test_reuse_across_a_temperature_change_is_refused_at_the_update(
     """A person lowers rollout.generation.temperature for iteration 2 with reuse on: update@2
     would score iteration 1's rollouts (drawn at 1.0) at 0.7. It stops with one line naming
     both temperatures; before, it read the first rollout's temperature and used it for all."""
-    from tasks.errors import InputError
+    from tasks.core.errors import InputError
     monkeypatch.setenv(stage.THREADS_ENV, "2")
     root = tmp_path / "ws"
     shutil.copytree(ppo_ws, root)
@@ -387,7 +389,7 @@ def test_reuse_across_a_temperature_change_is_refused_at_the_update(
     ("level: word", "update.ppo.reuse.level: expected one of ['token', 'sequence']"),
 ])
 def test_bad_reuse_params_name_file_line_and_key(line: str, message: str) -> None:
-    from tasks.params import ParamsError, parse_params
+    from tasks.config.params import ParamsError, parse_params
     text = ('iterations:\n  "1": {prev: 0}\nupdate:\n  ppo:\n    reuse:\n'
             f'      {line}\n')
     with pytest.raises(ParamsError) as e:

@@ -1,4 +1,4 @@
-"""The reward model's probe head (tasks/probe.py): mean pooling and the probe learn a word
+"""The reward model's probe head (tasks/reward/probe.py): mean pooling and the probe learn a word
 preference, frozen features give the same probe and metrics as rescoring, the probe's L2 and
 the backbone's depth chosen by cross-validation over training prompts (tiny models, seconds)."""
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from tasks.jsonl import DataError
-from tasks.reward_model import RewardEnsemble, member_rewards
+from tasks.core.jsonl import DataError
+from tasks.reward.reward_model import RewardEnsemble, member_rewards
 
 
 def _word_pairs(n_prompts: int, per_prompt: int, g: torch.Generator) -> list:
     """`per_prompt` pairs per prompt: token 7 preferred over token 9 at one place of a body."""
-    from tasks.reward_model import EncodedPair
+    from tasks.reward.reward_model import EncodedPair
     out = []
     for _ in range(n_prompts):
         prompt = tuple(torch.randint(20, 60, (4,), generator=g).tolist())
@@ -40,10 +40,10 @@ def test_mean_pooling_and_the_probe_head_learn_a_word_preference(tmp_path: Path)
     """pooling: mean reads the average of the response's states; head_init: probe fits the head
     on frozen features so that held-out pairs with the same preference (token 7 good, token 9
     bad, anywhere in the response) are ranked right, with no gradient step on the backbone."""
-    from tasks.params import TinyModelParams, TrainRMParams
-    from tasks.probe import fit_probe_head
-    from tasks.reward_model import init_reward_model, pair_margins
-    from tasks.tiny_model import save_tiny
+    from tasks.config.params import TinyModelParams, TrainRMParams
+    from tasks.reward.probe import fit_probe_head
+    from tasks.reward.reward_model import init_reward_model, pair_margins
+    from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     model = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
     before = {k: v.clone() for k, v in model.model.state_dict().items()}
@@ -72,11 +72,11 @@ def test_frozen_features_give_the_same_probe_and_metrics_as_rescoring(
     weights are the uncached fit's bit for bit (one member), the metrics and margins those of
     scoring the pairs again through the model (to float32 noise), and a response seen in many
     pairs goes through the backbone once."""
-    from tasks.params import TinyModelParams, TrainRMParams
-    from tasks.probe import FrozenFeatures, fit_probe_head
-    from tasks.reward_model import (EncodedPair, ensemble_metrics, heads, init_reward_model,
-                                    pair_margins)
-    from tasks.tiny_model import save_tiny
+    from tasks.config.params import TinyModelParams, TrainRMParams
+    from tasks.reward.probe import FrozenFeatures, fit_probe_head
+    from tasks.reward.reward_model import (EncodedPair, ensemble_metrics, heads, init_reward_model,
+                                           pair_margins)
+    from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     g = torch.Generator().manual_seed(5)
     pool = []                       # 12 prompts x 4 samples, every pair of them: 6 per prompt
@@ -91,7 +91,7 @@ def test_frozen_features_give_the_same_probe_and_metrics_as_rescoring(
     fit_probe_head(plain, train, p, pad_id=0)
     cached = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
     cache = FrozenFeatures(cached, 0, p.pooling, p.precision)
-    from tasks import probe
+    from tasks.reward import probe
     computed: list[int] = []       # responses through the cached model's backbone
     real = probe.features
 
@@ -154,7 +154,7 @@ def test_cross_validation_over_prompts_picks_the_l2_that_predicts_fresh_pairs() 
     """choose_probe_l2 reads only the training pairs and lands on the side of the grid that
     predicts fresh pairs better, in both directions: strong where a weak L2 overfits, weak
     where a strong one cannot separate the signal. The folds group pairs by prompt."""
-    from tasks.probe import _probe_fit, choose_probe_l2, probe_fold
+    from tasks.reward.probe import _probe_fit, choose_probe_l2, probe_fold
     grid = (0.001, 0.01, 0.1, 1.0, 10.0)
     for make, n, side in ((_isotropic, 30, "strong"), (_confounded, 800, "weak")):
         diff, prompts = make(n, 0)
@@ -176,10 +176,10 @@ def test_probe_head_reports_the_chosen_l2_and_falls_back_below_five_prompts(tmp_
     """fit_probe_head with `probe_l2_grid`: the head is the probe at the CV choice (the same
     weights as fitting that L2 directly) and the metrics name it; with fewer training prompts
     than folds, `probe_l2` is used as written."""
-    from tasks.params import TinyModelParams, TrainRMParams
-    from tasks.probe import fit_probe_head
-    from tasks.reward_model import EncodedPair, init_reward_model
-    from tasks.tiny_model import save_tiny
+    from tasks.config.params import TinyModelParams, TrainRMParams
+    from tasks.reward.probe import fit_probe_head
+    from tasks.reward.reward_model import EncodedPair, init_reward_model
+    from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     g = torch.Generator().manual_seed(4)
     pool = []
@@ -207,10 +207,10 @@ def test_probe_head_reports_the_chosen_l2_and_falls_back_below_five_prompts(tmp_
 def test_features_at_every_depth_equal_a_truncated_models(tmp_path: Path, pooling: str) -> None:
     """One forward pass through all blocks gives, for each depth d, exactly the features a
     model cut to d blocks computes (its final norm included)."""
-    from tasks.params import TinyModelParams
-    from tasks.probe import features_at_depths
-    from tasks.reward_model import features, init_reward_model
-    from tasks.tiny_model import save_tiny
+    from tasks.config.params import TinyModelParams
+    from tasks.reward.probe import features_at_depths
+    from tasks.reward.reward_model import features, init_reward_model
+    from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=4), 0, tmp_path)
     prompts, responses = [(21, 22, 23), (21, 22, 23), (30,)], [(40, 41), (42,), (50, 51, 52)]
     with torch.no_grad():
@@ -229,10 +229,10 @@ def test_the_probes_depth_is_chosen_by_cross_validation_and_kept(tmp_path: Path)
     on a fresh model of that depth. Here the features are computed in other batches (cut
     models, chosen and rejected apart), so the losses and weights agree to float32 rounding,
     not bit for bit. A grid deeper than the backbone is one line."""
-    from tasks.params import TinyModelParams, TrainRMParams
-    from tasks.probe import PROBE_FOLDS, FrozenFeatures, choose_depth, fit_probe_head, probe_cv
-    from tasks.reward_model import depth, init_reward_model
-    from tasks.tiny_model import save_tiny
+    from tasks.config.params import TinyModelParams, TrainRMParams
+    from tasks.reward.probe import PROBE_FOLDS, FrozenFeatures, choose_depth, fit_probe_head, probe_cv
+    from tasks.reward.reward_model import depth, init_reward_model
+    from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=3), 0, tmp_path)
     train = _word_pairs(10, 4, torch.Generator().manual_seed(5))
     p = TrainRMParams(pooling="mean", head_init="probe", epochs=0, probe_l2_grid=(0.1, 1.0),

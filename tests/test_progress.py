@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from tasks.progress import Progress
+from tasks.core.progress import Progress
 
 
 class _Clock:

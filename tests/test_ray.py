@@ -10,13 +10,14 @@ import torch
 import yaml
 
 from conftest import ROOT, run_cli
-from tasks import layout, lm, sampling
-from tasks.errors import InputError
-from tasks.judges import make_judge
-from tasks.labelling import judge_all
-from tasks.params import JudgeParams, TinyModelParams
-from tasks.records import Message
-from tasks.tiny_model import save_tiny
+from tasks.core import layout
+from tasks.models import lm, sampling
+from tasks.core.errors import InputError
+from tasks.judging.judges import make_judge
+from tasks.judging.labelling import judge_all
+from tasks.config.params import JudgeParams, TinyModelParams
+from tasks.data.records import Message
+from tasks.models.tiny_model import save_tiny
 
 TEXTS = ["Write a short review of Jaws (1975).", "Hi.", "What did you think of Heat?",
          "In two sentences: the acting and the ending of Alien.", "A film."]

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from tasks import atomic, jsonl
-from tasks.jsonl import DataError
-from tasks.records import Message, PreferencePair, Rollout, parse_pair, parse_rollout
+from tasks.core import atomic, jsonl
+from tasks.core.jsonl import DataError
+from tasks.data.records import Message, PreferencePair, Rollout, parse_pair, parse_rollout
 from tasks.schemas.generation import GenerationParams
 from tasks.stages.collect_offpolicy import import_pairs
 
@@ -175,8 +175,8 @@ def test_rollout_sampling_settings_read_back_typed_and_whole() -> None:
 
 
 def test_ppo_refuses_a_batch_sampled_at_two_temperatures() -> None:
-    from tasks.errors import InputError
-    from tasks.ppo import sampled_temperature
+    from tasks.core.errors import InputError
+    from tasks.policy.ppo import sampled_temperature
     one = Rollout("p1", (Message("user", "hi"),), (5,), (7,), (-1.5,), True, "x", "md5", 1,
                   GenerationParams(temperature=0.7))
     assert sampled_temperature([one, one]) == 0.7
@@ -288,7 +288,7 @@ def test_write_text_failure_keeps_old_file_and_no_temp(tmp_path: Path,
 
 def test_audit_label_with_an_unknown_pair_id_is_an_error_naming_file_and_line(
         tmp_path: Path) -> None:
-    from tasks import audit
+    from tasks.data import audit
     pool = [PreferencePair((Message("user", f"Review movie {i}."),), f"great {i}", f"bad {i}",
                            src) for i, src in enumerate(["import", "iter_1", "iter_2"])]
     known = audit.pair_id(pool[1])

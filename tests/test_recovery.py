@@ -206,8 +206,8 @@ def test_truncated_model_weights_fail_in_one_line_and_leave_the_workspace_byte_i
         ws, tmp_path, tmp_path_factory):
     from test_own_model import save_own_model
 
-    from tasks.tiny_model import CACHE_ENV
-    from tasks.tiny_model import tokenizer as smollm2_tokenizer
+    from tasks.models.tiny_model import CACHE_ENV
+    from tasks.models.tiny_model import tokenizer as smollm2_tokenizer
     tok = smollm2_tokenizer(Path(os.environ.get(CACHE_ENV)
                                  or tmp_path_factory.getbasetemp() / "tokenizer-cache"))
     src = tmp_path / "my-llama"

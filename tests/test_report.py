@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, copy_workspace, ran_stages, run_cli, set_params
-from tasks import report
-from tasks import atomic, jsonl, layout
+from tasks.evaluation import report
+from tasks.core import atomic, jsonl, layout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -264,7 +264,7 @@ def test_flow_builds_the_report_as_a_dvc_stage(tiny_run):
     assert _git(ws, "rev-parse", "iteration-2") != _git(ws, "rev-parse", "HEAD")
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]["report"]
     assert [o["path"] for o in lock["outs"]] == ["report"]
-    assert {d["path"] for d in lock["deps"]} >= {"metrics", "data", "tasks/report.py"}
+    assert {d["path"] for d in lock["deps"]} >= {"metrics", "data", "tasks/evaluation/report.py"}
     assert not _git(ws, "status", "--porcelain")
     assert _git(ws, "check-ignore", "report/report.html")          # DVC's, not git's
 
@@ -347,7 +347,7 @@ def test_cli_report_html_prints_the_path_and_rebuilds_a_stale_page(tiny_run, tmp
 
 
 def test_intervals_are_also_reported_as_pairs() -> None:
-    from tasks.report import with_intervals
+    from tasks.evaluation.report import with_intervals
     m = with_intervals({"eval/win_rate": 0.8, "eval/win_rate_ci_low": 0.7,
                         "eval/win_rate_ci_high": 0.9, "eval/gold_win_rate_ci_low": 0.6})
     assert m["eval/win_rate_ci"] == [0.7, 0.9]
@@ -356,7 +356,7 @@ def test_intervals_are_also_reported_as_pairs() -> None:
 
 
 def test_plots_have_honest_axes_and_a_negative_kl_is_flagged():
-    from tasks import report_plots
+    from tasks.evaluation import report_plots
     rows = [{"iteration": 1, "eval/fluency_nll": 5.965, "eval/ref_fluency_nll": 5.97,
              "eval/win_rate": 0.55, "eval/kl": -0.14, "eval/gold_win_rate": 0.5},
             {"iteration": 2, "eval/fluency_nll": 5.985, "eval/ref_fluency_nll": 5.97,

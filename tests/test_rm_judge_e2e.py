@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from conftest import TINY, run_cli
-from tasks import jsonl, layout
+from tasks.core import jsonl, layout
 
 
 @pytest.mark.slow      # a whole extra tiny loop through the CLI
@@ -18,7 +18,7 @@ def test_tiny_loop_judged_by_a_reward_model_from_an_earlier_run(tiny_run, tmp_pa
     and each registered version says which judge labelled its data."""
     from mlflow.tracking import MlflowClient
 
-    from tasks.judge_rm import rm_md5
+    from tasks.judging.judge_rm import rm_md5
     rm = Path(tiny_run["ws"]) / layout.reward_model(2)
     data = yaml.safe_load(TINY.read_text())
     data["judge"].update(kind="reward_model", model=str(rm))

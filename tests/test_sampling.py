@@ -10,12 +10,12 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from tasks import fast_llama, lm, sampling
-from tasks.params import TinyModelParams
-from tasks.records import Message
-from tasks.sampling import Sample, sample
-from tasks.tiny_model import CACHE_ENV, build_tiny_model, special_ids
-from tasks.tiny_model import tokenizer as smollm2_tokenizer
+from tasks.models import fast_llama, lm, sampling
+from tasks.config.params import TinyModelParams
+from tasks.data.records import Message
+from tasks.models.sampling import Sample, sample
+from tasks.models.tiny_model import CACHE_ENV, build_tiny_model, special_ids
+from tasks.models.tiny_model import tokenizer as smollm2_tokenizer
 
 MAX_NEW = 10
 

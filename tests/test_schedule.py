@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, copy_workspace, run_cli
 from flows.schedule import append_iteration, deployment_name, workspace_lock
 from flows.workspace import Workspace
-from tasks.params import iteration_numbers, parse_params
+from tasks.config.params import iteration_numbers, parse_params
 
 
 def _cli(*args: str) -> subprocess.Popen:

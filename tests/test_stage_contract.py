@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, copy_workspace
-from tasks import layout
-from tasks.params import load_params
-from tasks.stage import Contract, Declared, UndeclaredParam
+from tasks.core import layout
+from tasks.config.params import load_params
+from tasks.runtime.stage import Contract, Declared, UndeclaredParam
 
 
 def test_the_view_answers_declared_keys_only() -> None:

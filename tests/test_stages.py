@@ -1,5 +1,5 @@
 """Smoke tests per stage: every stage edge runs on CPU in a temp workspace, writes its outputs
-where tasks/layout.py says, and training changes the weights. Failure paths exit 2 with the
+where tasks/core/layout.py says, and training changes the weights. Failure paths exit 2 with the
 file and line named and leave what is already stored untouched."""
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ from safetensors.torch import load_file
 from conftest import set_params as set_workspace_params
 
 from flows.shipped import PARAMS_DATA
-from tasks import jsonl, layout, lm, reward_model, stage
-from tasks.judges import LexiconJudge
-from tasks.params import load_params
-from tasks.records import PreferencePair, parse_pair, parse_rollout
+from tasks.core import jsonl, layout
+from tasks.models import lm
+from tasks.reward import reward_model
+from tasks.runtime import stage
+from tasks.judging.judges import LexiconJudge
+from tasks.config.params import load_params
+from tasks.data.records import PreferencePair, parse_pair, parse_rollout
 from tasks.stages import (collect_offpolicy, evaluate, judge, prepare_model, prompts,
                           reference_samples, rollout, train_rm, update)
 
@@ -414,7 +417,7 @@ def test_evaluate_metrics(ws: Workspace) -> None:
 def test_best_of_n_baseline(ws: Workspace) -> None:
     """The reference's N candidates per prompt, reranked by the RM, against its single sample;
     the RM's pick is the argmax of its own scores, and the KL is the analytic log N - (N-1)/N."""
-    from tasks.reward_model import load_reward_model, reward_mean_std
+    from tasks.reward.reward_model import load_reward_model, reward_mean_std
     from tasks.stages.evaluate import best_of_n, read_samples
     p = load_params(ws.path(layout.PARAMS_FILE)).evaluate.best_of_n
     m = ws.metrics(layout.metrics(1, "evaluate"))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from flows.targets import check, iteration_minutes
-from tasks.params import TargetParams
+from tasks.config.params import TargetParams
 
 GOOD = {"eval/gold_win_rate": 0.8, "eval/gold_win_rate_ci_low": 0.74, "eval/win_rate": 0.9,
         "eval/on_topic_rate": 0.6, "eval/ref_on_topic_rate": 0.62, "eval/length_ratio": 1.2,
@@ -51,7 +51,7 @@ def test_the_run_prints_each_target_with_its_own_figures(tiny_run) -> None:
     block = out[out.index("targets (iteration 2):"):].splitlines()
     rm = json.loads((ws / "metrics/iter_2/train_rm.json").read_text())
     ev = json.loads((ws / "metrics/iter_2/evaluate.json").read_text())
-    from tasks.params import load_params
+    from tasks.config.params import load_params
     p = load_params(ws / "params.yaml").targets          # the bars the run itself was given
     for name, value, bar in (("rm/accuracy (held-out pairs)", rm["rm/accuracy"],
                               p.min_rm_accuracy),

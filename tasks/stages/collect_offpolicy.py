@@ -3,26 +3,27 @@
 Two real sources:
 - `import`: the user's pairs, `offpolicy.import_path` inside the workspace's data/import/ (a
   declared dep; `alignloop import FILE` puts them there): JSONL, JSON, Parquet or a directory
-  saved by HF `datasets`, in any TRL preference format (see tasks/pair_import.py);
+  saved by HF `datasets`, in any TRL preference format (see tasks/data/pair_import.py);
 - `cold_start`: K samples per prompt from the behaviour policy (the initial model), labelled
   by the judge, best vs worst.
 The result is iteration 0's pair pool; each iteration's judged on-policy pairs are added to it.
 """
 from __future__ import annotations
 
-from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
 from pathlib import Path
 
-from tasks import jsonl, layout, lm
-from tasks.device import Device
-from tasks.generation import load_prompts, sample_rollouts
-from tasks.jsonl import DataError
-from tasks.judges import make_judge
-from tasks.labelling import judge_all, rollout_groups
-from tasks.pair_import import read_pairs
-from tasks.params import Params
-from tasks.records import PreferencePair
+from tasks.core import jsonl, layout
+from tasks.models import lm
+from tasks.runtime.device import Device
+from tasks.models.generation import load_prompts, sample_rollouts
+from tasks.core.jsonl import DataError
+from tasks.judging.judges import make_judge
+from tasks.judging.labelling import judge_all, rollout_groups
+from tasks.data.pair_import import read_pairs
+from tasks.config.params import Params
+from tasks.data.records import PreferencePair
 
 
 CONTRACT = stage.Contract(

@@ -1,6 +1,6 @@
 """Stage `evaluate`: the iteration's policy against the reference on held-out prompts.
 
-Reported: win rate by the judge, by the gold evaluator (tasks/gold.py: independent of the
+Reported: win rate by the judge, by the gold evaluator (tasks/evaluation/gold.py: independent of the
 judge and never used for training) and by the reward model (ties half, 95% bootstrap interval,
 counts, tie and invalid rates); on-topic rates and fluency (reference NLL) of both sides; mean
 judge score of both; KL(policy || reference) per response; response lengths; the Best-of-N
@@ -8,13 +8,13 @@ baseline (the reference's N samples reranked by this iteration's RM, analytic KL
 log N - (N-1)/N); and the reward-hacking monitors. One metrics JSON plus the paired samples.
 
 And the candidate against the champion it starts from (`prev`) on the select prompts
-(tasks/headtohead.py), by gold and by the judge, with the over-optimisation flag (a judge gain
+(tasks/evaluation/headtohead.py), by gold and by the judge, with the over-optimisation flag (a judge gain
 gold does not see): what the gate's promotion decision reads, kept apart from the held-out
 figures above, which no decision reads.
 """
 from __future__ import annotations
 
-from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
 import math
 from collections.abc import Sequence
@@ -25,19 +25,21 @@ from typing import Any
 
 import torch
 
-from tasks import headtohead, jsonl, layout, lm
-from tasks.generation import load_prompts, sample_rollouts, select_responses
-from tasks.gold import GoldEvaluator, GoldScore, gold_verdict
-from tasks.jsonl import DataError
-from tasks.judges import (BUILD_KEYS, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
-                          judge_pair, judge_pairs, make_judge, position_flipped)
-from tasks.lm import mean_nll
-from tasks.params import Params
-from tasks.records import Prompt, Rollout, parse_rollout, prompt_to_record
-from tasks.reward_model import load_reward_model, reward_mean_std
+from tasks.core import jsonl, layout
+from tasks.evaluation import headtohead
+from tasks.models import lm
+from tasks.models.generation import load_prompts, sample_rollouts, select_responses
+from tasks.evaluation.gold import GoldEvaluator, GoldScore, gold_verdict
+from tasks.core.jsonl import DataError
+from tasks.judging.judges import (BUILD_KEYS, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
+                                  judge_pair, judge_pairs, make_judge, position_flipped)
+from tasks.models.lm import mean_nll
+from tasks.config.params import Params
+from tasks.data.records import Prompt, Rollout, parse_rollout, prompt_to_record
+from tasks.reward.reward_model import load_reward_model, reward_mean_std
 from tasks.schemas.evaluate import MonitorParams
 from tasks.schemas.generation import GenerationParams
-from tasks.winrate import win_rate
+from tasks.evaluation.winrate import win_rate
 
 
 CONTRACT = stage.Contract(
@@ -168,7 +170,7 @@ def gold_compare(gold: GoldEvaluator, pol: Sequence[Rollout], refs: Sequence[Rol
                  subjects: Sequence[str], pol_nll: Sequence[float], ref_nll: Sequence[float],
                  n_boot: int, seed: int, prefix: str = "eval/gold_"
                  ) -> tuple[dict[str, float], list[Verdict], list[GoldScore], list[GoldScore]]:
-    """Gold win rate of the policy's responses over the reference's (tasks/gold.py's rule)."""
+    """Gold win rate of the policy's responses over the reference's (tasks/evaluation/gold.py's rule)."""
     g_pol = gold.score([s.text for s in pol], subjects, pol_nll)
     g_ref = gold.score([s.text for s in refs], subjects, ref_nll)
     verdicts = [gold_verdict(a, b) for a, b in zip(g_pol, g_ref)]

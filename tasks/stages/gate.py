@@ -5,13 +5,13 @@ alias `champion`); the decision itself is a declared, versioned artifact.
 """
 from __future__ import annotations
 
-from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
 import json
 from typing import Any
 
-from tasks import atomic, layout
-from tasks.jsonl import DataError
+from tasks.core import atomic, layout
+from tasks.core.jsonl import DataError
 from tasks.schemas.gate import GateParams
 
 

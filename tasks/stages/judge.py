@@ -1,18 +1,19 @@
 """Stage `judge`: the AI judge labels this iteration's rollouts (RLAIF).
 
 The judge's verdicts become DPO's pairs (best vs worst of each prompt's K samples) and the
-reward model's new pool pairs; how, in tasks/labelling.py. The pool of the previous iteration
+reward model's new pool pairs; how, in tasks/judging/labelling.py. The pool of the previous iteration
 is carried forward with the new pairs appended (off-policy cold start, on-policy iteration),
 and the judge's agreement with the person's audit labels is measured on it.
 """
 from __future__ import annotations
 
-from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
-from tasks import audit, jsonl, layout
-from tasks.judges import make_judge
-from tasks.labelling import audit_agreement, judge_all, rollout_groups
-from tasks.records import parse_pair, parse_rollout
+from tasks.core import jsonl, layout
+from tasks.data import audit
+from tasks.judging.judges import make_judge
+from tasks.judging.labelling import audit_agreement, judge_all, rollout_groups
+from tasks.data.records import parse_pair, parse_rollout
 
 
 CONTRACT = stage.Contract(

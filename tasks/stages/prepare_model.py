@@ -8,14 +8,15 @@ $ALIGNLOOP_CACHE_DIR, else in the workspace's git-ignored `.alignloop/cache`.
 """
 from __future__ import annotations
 
-from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
 import os
 import shutil
 import time
 from pathlib import Path
 
-from tasks import atomic, layout, lm, mlflow_model, model_card
+from tasks.core import atomic, layout
+from tasks.models import lm, mlflow_model, model_card
 from tasks.schemas.model import ModelParams
 
 
@@ -63,12 +64,12 @@ def prepare(p: ModelParams, seed: int, out_dir: Path, root: Path) -> dict[str, o
     """Write the initial model and tokenizer into the (new, empty) out_dir; returns info
     (deterministic: it is stored with the model, and equal inputs must give equal bytes)."""
     if p.source == "tiny":
-        from tasks.tiny_model import CACHE_ENV, save_tiny
+        from tasks.models.tiny_model import CACHE_ENV, save_tiny
         info = save_tiny(p.tiny, seed, out_dir,
                          Path(os.environ.get(CACHE_ENV) or root / WORKSPACE_CACHE))
 
     elif p.source == "gguf":
-        from tasks.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
+        from tasks.models.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
         info = convert_gguf_to_hf(find_packaged_gguf(p.gguf_package, p.gguf_file or None), out_dir)
     else:
         info = copy_hf_dir(root / Path(p.path).expanduser(), out_dir)   # absolute paths win

@@ -7,15 +7,15 @@ several templates when there are fewer subjects than prompts.
 """
 from __future__ import annotations
 
-from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
 import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tasks import jsonl, layout
-from tasks.jsonl import DataError
+from tasks.core import jsonl, layout
+from tasks.core.jsonl import DataError
 from tasks.schemas.prompts import PromptParams
 
 

@@ -1,4 +1,4 @@
-"""Stage `report`: the run's report page (tasks/report.py) as a DVC output.
+"""Stage `report`: the run's report page (tasks/evaluation/report.py) as a DVC output.
 
 It reads every metrics file and the last iteration's evaluation samples, so it depends on the
 `metrics` and `data` directories (DVC links it after every stage that writes there) and runs
@@ -7,9 +7,10 @@ and each commit's dvc.lock names the page built from that commit's results.
 """
 from __future__ import annotations
 
-from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
-from tasks import layout, report
+from tasks.core import layout
+from tasks.evaluation import report
 
 CONTRACT = stage.Contract(
     "report", params=("seed", "model", "judge.kind", "judge.version", "judge.model",

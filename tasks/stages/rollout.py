@@ -3,17 +3,18 @@
 Each rollout keeps what off-policy reuse needs later: prompt and response token ids, the
 sampler's per-token log-probs, whether it ended with EOS or was truncated, the sampling
 settings, and the version (weights md5) and iteration of the policy that produced it
-(tasks/generation.py).
+(tasks/models/generation.py).
 """
 from __future__ import annotations
 
-from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
 from collections.abc import Sequence
 
-from tasks import jsonl, layout, lm
-from tasks.generation import load_prompts, sample_rollouts
-from tasks.records import Rollout
+from tasks.core import jsonl, layout
+from tasks.models import lm
+from tasks.models.generation import load_prompts, sample_rollouts
+from tasks.data.records import Rollout
 
 
 CONTRACT = stage.Contract(

@@ -8,7 +8,7 @@ order). Afterwards the pairs to audit next are exported to `audit/iter_k/queue.j
 """
 from __future__ import annotations
 
-from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,16 +16,19 @@ from pathlib import Path
 import torch
 import transformers
 
-from tasks import atomic, audit, distributed, jsonl, layout, lm, mlflow_model, model_card
-from tasks.device import Device
-from tasks.distributed import SINGLE, Group
-from tasks.jsonl import DataError
-from tasks.params import Params
-from tasks.records import PreferencePair, parse_pair
-from tasks.probe import PROBE_FOLDS, FrozenFeatures, choose_depth, fit_probe_head
-from tasks.reward_model import (EncodedPair, RewardEnsemble, depth, encode_pairs,
-                                ensemble_metrics, heads, heldout_split, init_reward_model,
-                                pair_margins, save_reward_model, save_stats, train_reward)
+from tasks.core import atomic, jsonl, layout
+from tasks.data import audit
+from tasks.models import lm, mlflow_model, model_card
+from tasks.runtime import distributed
+from tasks.runtime.device import Device
+from tasks.runtime.distributed import SINGLE, Group
+from tasks.core.jsonl import DataError
+from tasks.config.params import Params
+from tasks.data.records import PreferencePair, parse_pair
+from tasks.reward.probe import PROBE_FOLDS, FrozenFeatures, choose_depth, fit_probe_head
+from tasks.reward.reward_model import (EncodedPair, RewardEnsemble, depth, encode_pairs,
+                                       ensemble_metrics, heads, heldout_split, init_reward_model,
+                                       pair_margins, save_reward_model, save_stats, train_reward)
 
 
 CONTRACT = stage.Contract(

@@ -11,7 +11,7 @@ The reference is an explicit, versioned input: the initial model or the previous
 """
 from __future__ import annotations
 
-from tasks import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,16 +19,19 @@ from pathlib import Path
 
 import torch
 
-from tasks import (atomic, conditions, distributed, jsonl, layout, lm, mlflow_model, model_card,
-                   value_head)
-from tasks.device import device_of
-from tasks.distributed import SINGLE, Group
-from tasks.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
-from tasks.kl_budget import KLGuard, guard_prompts
-from tasks.params import Params
-from tasks.ppo import REPLAY_FILE, train_ppo
-from tasks.records import Rollout, parse_pair, parse_rollout
-from tasks.reward_model import encode_pairs, load_reward_model, load_stats, rewards
+from tasks.config import conditions
+from tasks.core import atomic, jsonl, layout
+from tasks.models import lm, mlflow_model, model_card
+from tasks.policy import value_head
+from tasks.runtime import distributed
+from tasks.runtime.device import device_of
+from tasks.runtime.distributed import SINGLE, Group
+from tasks.policy.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
+from tasks.policy.kl_budget import KLGuard, guard_prompts
+from tasks.config.params import Params
+from tasks.policy.ppo import REPLAY_FILE, train_ppo
+from tasks.data.records import Rollout, parse_pair, parse_rollout
+from tasks.reward.reward_model import encode_pairs, load_reward_model, load_stats, rewards
 
 
 CONTRACT = stage.Contract(
@@ -105,7 +108,7 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
 
 def kl_guard(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
              prompts: list[tuple[int, ...]], rng: torch.Generator) -> KLGuard | None:
-    """The KL budget's guard (tasks/kl_budget.py) on this iteration's on-policy prompts, against
+    """The KL budget's guard (tasks/policy/kl_budget.py) on this iteration's on-policy prompts, against
     the initial model (the DPO reference unless `update.reference: previous`); None when the
     profile sets no budget."""
     b = p.update.kl_budget

@@ -1,0 +1,34 @@
+"""Build a pairwise LLM judge (`judge.kind: llm | http`) from params and the workspace root."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.judging.pairwise import PairwiseLLMJudge, cache_path, load_template
+from tasks.schemas.judge import JudgeParams
+from tasks.judging.verdict_cache import VerdictCache
+
+
+def make_pairwise_judge(p: JudgeParams, root: Path, device: object = "cpu") -> PairwiseLLMJudge:
+    """`device`: where an llm judge's model runs (a torch device or its name)."""
+    template = load_template(root, p.template)
+    if p.kind == "http":
+        from tasks.judging.judge_http import HttpBackend, endpoint_from_env, served_model
+        endpoint = endpoint_from_env()
+        model = p.model or served_model(endpoint, p.timeout_s)
+        backend = HttpBackend(endpoint, model, p.max_new_tokens, p.max_concurrency,
+                              p.timeout_s, p.max_retries, p.backoff_s)
+        batch = max(16, 4 * p.max_concurrency)
+    elif p.kind == "llm":
+        from tasks.models import lm
+        from tasks.judging.judge_llm import LocalLMBackend
+        model_dir = (root / Path(p.model).expanduser()).resolve()
+        lm.check_model_dir(model_dir)
+        backend = LocalLMBackend(  # type: ignore[assignment]
+            model_dir, p.decoding, p.max_new_tokens, device=device)
+        model, batch = f"{model_dir.name}@{lm.weights_md5(model_dir)}", 32
+    else:
+        raise ValueError(f"not a pairwise judge kind: {p.kind}")
+    decoding = p.decoding if p.decoding == "logprob" else f"greedy,max_tokens={p.max_new_tokens}"
+    judge = PairwiseLLMJudge(p.kind, model, decoding, template, backend, None, batch)
+    judge.cache = VerdictCache(cache_path(root, judge.version), judge.version)
+    return judge

@@ -1,0 +1,114 @@
+"""A KL budget the update keeps: KL(policy || initial model) per response, measured while the
+policy trains, and training stopped before it would leave the budget.
+
+The reward model and the judge are trusted only near the data they were fitted on; the KL to
+the initial model is how far the policy has gone from it. The gate refuses a candidate past
+`gate.max_kl`, but a refusal after the fact wastes the iteration (and a loop that starts each
+tick from the champion would keep overshooting from the same place). So the update measures
+the same quantity the evaluation does (the Monte-Carlo k1 estimate: mean over the policy's own
+samples of sum_t log pi - log pi_ref, sampled with `evaluate.generation`) on a few of this
+iteration's training prompts every `check_every` optimiser steps, and stops at the last state
+that was within the target (its weights restored): early stopping at a target KL, as in PPO's
+`target_kl` (Schulman et al. 2017; OpenAI Spinning Up), applied to the distance from the
+reference rather than from the previous step.
+
+The target of iteration k: the KL of the policy it starts from (measured the same way before
+the first step) plus `per_iteration`, and never more than `total`. With `total` set under
+`gate.max_kl`, every candidate is within what the gate accepts, whatever its start; near the
+total, the loop moves in smaller steps rather than overshooting and being refused.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tasks.models import lm, sampling
+from tasks.schemas.generation import GenerationParams
+from tasks.schemas.update import KLBudgetParams
+
+
+@dataclass
+class KLGuard:
+    """Measures KL(policy || ref) on fixed prompts; `within()` after each chunk of steps."""
+    policy: torch.nn.Module
+    ref: torch.nn.Module
+    prompts: Sequence[Sequence[int]]      # token ids, distinct training prompts
+    gen: GenerationParams
+    budget: KLBudgetParams
+    eos_id: int
+    pad_id: int
+    rng: torch.Generator
+    start: float = float("nan")
+    target: float = float("nan")
+    measured: list[tuple[int, float]] = field(default_factory=list)   # (step, KL)
+
+    def measure(self) -> float:
+        """The k1 estimate on the guard's prompts, the policy sampled as it is now."""
+        was_training = self.policy.training
+        self.policy.eval()
+        with torch.no_grad():
+            samples = sampling.sample(self.policy, self.prompts, batch_size=self.gen.batch_size,
+                                      max_new_tokens=self.gen.max_new_tokens, eos_id=self.eos_id,
+                                      pad_id=self.pad_id, temperature=self.gen.temperature,
+                                      top_p=self.gen.top_p, generator=self.rng)
+            total = 0.0
+            for s in range(0, len(samples), 32):
+                chunk = samples[s: s + 32]
+                prompts = [self.prompts[s + i] for i in range(len(chunk))]
+                responses = [x.response_ids for x in chunk]
+                pi, mask = lm.response_logprobs(self.policy, prompts, responses, self.pad_id)
+                ref, _ = lm.response_logprobs(self.ref, prompts, responses, self.pad_id)
+                total += float(((pi.float() - ref.float()) * mask).sum())
+        if was_training:
+            self.policy.train()
+        return total / max(len(samples), 1)
+
+    def begin(self) -> None:
+        """The start's KL and the iteration's target."""
+        self.start = self.measure()
+        self.measured.append((0, self.start))
+        b = self.budget
+        self.target = min(self.start + b.per_iteration if b.per_iteration > 0 else b.total,
+                          b.total)
+
+    def within(self, step: int) -> bool:
+        kl = self.measure()
+        self.measured.append((step, kl))
+        return kl <= self.target
+
+    def metrics(self, stopped_at: int | None) -> dict[str, float]:
+        """The budget's record: start, target, the last measurement, the kept state's KL and
+        step (the last measurement within the target), whether training was stopped."""
+        step, kl = next(((s, k) for s, k in reversed(self.measured)
+                         if stopped_at is None or s < stopped_at), (0, self.start))
+        return {"update/kl_start": self.start, "update/kl_target": self.target,
+                "update/kl_last": self.measured[-1][1], "update/kl_kept": kl,
+                "update/steps_kept": float(step),
+                "update/kl_stopped": float(stopped_at is not None),
+                "update/kl_checks": float(len(self.measured))}
+
+
+def guard_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> list[tuple[int, ...]]:
+    """The first n distinct prompts (in the pairs' order): a fixed set for every measurement."""
+    seen: dict[tuple[int, ...], None] = {}
+    for ids in prompt_ids:
+        seen.setdefault(tuple(ids), None)
+        if len(seen) == n:
+            break
+    return list(seen)
+
+
+class Snapshot:
+    """The policy's weights at the last measurement within the target, restored on a stop."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        self.policy = policy
+        self.take()
+
+    def take(self) -> None:
+        self.state = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+
+    def restore(self) -> None:
+        self.policy.load_state_dict(self.state)
