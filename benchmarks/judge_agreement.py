@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tasks.core import jsonl, layout
-from tasks.judging.judges import judge_pairs, make_judge, position_flipped
+from tasks.judging.judges import judge_pairs, position_flipped
+from tasks.judging.judge_factory import make_judge
 from tasks.config.params import load_params
 from tasks.data.records import parse_prompt
 

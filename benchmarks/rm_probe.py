@@ -21,7 +21,7 @@ from pathlib import Path
 from tasks.core import jsonl, layout
 from tasks.models import lm
 from tasks.runtime import stage
-from tasks.judging.judges import make_judge
+from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import judge_groups, pool_margin, rollout_groups
 from tasks.config.params import TrainRMParams, load_params
 from tasks.data.records import parse_rollout

@@ -92,7 +92,7 @@ def sample_inputs(model_dir: Path, params: Params, n_prompts: int, seed: int = 0
 
 def pairs_from(samples: Sequence[Rollout], n: int) -> list[Any]:
     """n (prompt, chosen, rejected) pairs: the two samples of each of the first n prompts."""
-    from tasks.reward.reward_model import EncodedPair
+    from tasks.reward.features import EncodedPair
     return [EncodedPair(samples[2 * i].prompt_ids, samples[2 * i].response_ids,
                         samples[2 * i + 1].response_ids) for i in range(n)]
 

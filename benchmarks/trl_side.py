@@ -14,7 +14,7 @@ import torch
 
 from tasks.models import lm
 from tasks.config.params import DPOParams, TrainRMParams
-from tasks.reward.reward_model import EncodedPair
+from tasks.reward.features import EncodedPair
 
 
 class _FixedOrder(torch.utils.data.Sampler[int]):

@@ -84,7 +84,8 @@ from tasks.models import lm
 from tasks.runtime.distributed import LOSSES_ENV  # noqa: E402
 from tasks.config.params import DPOParams, Params, TrainRMParams, load_params  # noqa: E402
 from tasks.data.records import parse_prompt  # noqa: E402
-from tasks.reward.reward_model import EncodedPair, prompt_batches  # noqa: E402
+from tasks.reward.reward_model import prompt_batches  # noqa: E402
+from tasks.reward.features import EncodedPair
 from tasks.stages.prompts import build_prompts, read_lines  # noqa: E402
 
 TRL_VERSION = "1.16.0"

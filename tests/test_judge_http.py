@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tasks.judging.judge_http import Endpoint, HttpBackend, endpoint_from_env
-from tasks.judging.judges import judge_pairs, make_judge
+from tasks.judging.judges import judge_pairs
+from tasks.judging.judge_factory import make_judge
 from tasks.judging.pairwise import JudgeStats
 from tasks.config.params import JudgeParams
 from tasks.data.records import Message

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tasks.judging.judges import (LexiconJudge, Verdict, judge_pair, make_judge, verdict_from_scores,
+from tasks.judging.judges import (LexiconJudge, Verdict, judge_pair, verdict_from_scores,
                                   verdict_rates)
+from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import judge_groups, ranked_pairs
 from tasks.config.params import JudgeParams
 from tasks.data.records import Message, Prompt
@@ -261,7 +262,7 @@ def test_title_words_and_mentions() -> None:
 
 
 def test_the_judge_builds_with_its_title_match() -> None:
-    from tasks.judging.judges import make_judge
+    from tasks.judging.judge_factory import make_judge
     from tasks.config.params import JudgeParams
     from tasks.data.records import Message
     prompt = (Message("user", "Write a short review of Bringing Up Baby (1938)."),)

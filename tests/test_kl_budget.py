@@ -10,7 +10,7 @@ import torch
 
 from tasks.policy.dpo import train_dpo
 from tasks.policy.kl_budget import KLGuard, guard_prompts
-from tasks.reward.reward_model import EncodedPair
+from tasks.reward.features import EncodedPair
 from tasks.schemas.generation import GenerationParams
 from tasks.schemas.model import TinyModelParams
 from tasks.schemas.update import DPOParams, KLBudgetParams

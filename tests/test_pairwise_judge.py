@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.judging.judges import judge_pair, judge_pairs, make_judge, swapped
+from tasks.judging.judges import judge_pair, judge_pairs, swapped
+from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import judge_all, pairwise_groups, seeded_pairs
 from tasks.judging.pairwise import (JudgeStats, PairwiseLLMJudge, Reply, Template, load_template,
                                     parse_verdict)

@@ -15,7 +15,7 @@ from tasks.reward.reward_model import RewardEnsemble, member_rewards
 
 def _word_pairs(n_prompts: int, per_prompt: int, g: torch.Generator) -> list:
     """`per_prompt` pairs per prompt: token 7 preferred over token 9 at one place of a body."""
-    from tasks.reward.reward_model import EncodedPair
+    from tasks.reward.features import EncodedPair
     out = []
     for _ in range(n_prompts):
         prompt = tuple(torch.randint(20, 60, (4,), generator=g).tolist())
@@ -73,9 +73,10 @@ def test_frozen_features_give_the_same_probe_and_metrics_as_rescoring(
     scoring the pairs again through the model (to float32 noise), and a response seen in many
     pairs goes through the backbone once."""
     from tasks.config.params import TinyModelParams, TrainRMParams
-    from tasks.reward.probe import FrozenFeatures, fit_probe_head
-    from tasks.reward.reward_model import (EncodedPair, ensemble_metrics, heads, init_reward_model,
-                                           pair_margins)
+    from tasks.reward.probe import fit_probe_head
+    from tasks.reward.features import FrozenFeatures
+    from tasks.reward.reward_model import ensemble_metrics, heads, init_reward_model, pair_margins
+    from tasks.reward.features import EncodedPair
     from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     g = torch.Generator().manual_seed(5)
@@ -178,7 +179,8 @@ def test_probe_head_reports_the_chosen_l2_and_falls_back_below_five_prompts(tmp_
     than folds, `probe_l2` is used as written."""
     from tasks.config.params import TinyModelParams, TrainRMParams
     from tasks.reward.probe import fit_probe_head
-    from tasks.reward.reward_model import EncodedPair, init_reward_model
+    from tasks.reward.reward_model import init_reward_model
+    from tasks.reward.features import EncodedPair
     from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     g = torch.Generator().manual_seed(4)
@@ -209,7 +211,8 @@ def test_features_at_every_depth_equal_a_truncated_models(tmp_path: Path, poolin
     model cut to d blocks computes (its final norm included)."""
     from tasks.config.params import TinyModelParams
     from tasks.reward.probe import features_at_depths
-    from tasks.reward.reward_model import features, init_reward_model
+    from tasks.reward.reward_model import init_reward_model
+    from tasks.reward.features import features
     from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=4), 0, tmp_path)
     prompts, responses = [(21, 22, 23), (21, 22, 23), (30,)], [(40, 41), (42,), (50, 51, 52)]
@@ -230,8 +233,10 @@ def test_the_probes_depth_is_chosen_by_cross_validation_and_kept(tmp_path: Path)
     models, chosen and rejected apart), so the losses and weights agree to float32 rounding,
     not bit for bit. A grid deeper than the backbone is one line."""
     from tasks.config.params import TinyModelParams, TrainRMParams
-    from tasks.reward.probe import PROBE_FOLDS, FrozenFeatures, choose_depth, fit_probe_head, probe_cv
-    from tasks.reward.reward_model import depth, init_reward_model
+    from tasks.reward.probe import PROBE_FOLDS, choose_depth, fit_probe_head, probe_cv
+    from tasks.reward.features import FrozenFeatures
+    from tasks.reward.reward_model import init_reward_model
+    from tasks.reward.features import depth
     from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=3), 0, tmp_path)
     train = _word_pairs(10, 4, torch.Generator().manual_seed(5))

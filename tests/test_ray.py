@@ -13,7 +13,7 @@ from conftest import ROOT, run_cli
 from tasks.core import layout
 from tasks.models import lm, sampling
 from tasks.core.errors import InputError
-from tasks.judging.judges import make_judge
+from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import judge_all
 from tasks.config.params import JudgeParams, TinyModelParams
 from tasks.data.records import Message

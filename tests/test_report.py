@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, copy_workspace, ran_stages, run_cli, set_params
-from tasks.evaluation import report
+from tasks.evaluation import report, report_data
 from tasks.core import atomic, jsonl, layout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -89,16 +89,16 @@ def test_divergence_flags_judge_up_while_gold_stalls_or_falls():
             _row(4, 0.90, 0.50),                         # gold fell
             _row(5, 0.90, 0.40),                         # judge flat: not this rule
             _row(6, 0.85, 0.30)]                         # judge fell
-    assert report.judge_gold_divergence(rows) == [3, 4]
-    assert report.judge_gold_divergence(list(reversed(rows))) == [3, 4]
-    assert report.judge_gold_divergence(rows, eps=0.2) == []
-    assert report.judge_gold_divergence([_row(1, 0.9, 0.1)]) == []     # no previous iteration
+    assert report_data.judge_gold_divergence(rows) == [3, 4]
+    assert report_data.judge_gold_divergence(list(reversed(rows))) == [3, 4]
+    assert report_data.judge_gold_divergence(rows, eps=0.2) == []
+    assert report_data.judge_gold_divergence([_row(1, 0.9, 0.1)]) == []     # no previous iteration
 
 
 def test_divergence_skips_iterations_without_gold():
     rows = [_row(1, 0.6, None), _row(2, 0.8, 0.5), _row(3, 0.9, float("nan")),
             _row(4, 0.95, 0.4)]
-    assert report.judge_gold_divergence(rows) == []
+    assert report_data.judge_gold_divergence(rows) == []
 
 
 def test_report_shows_every_number_and_flags_the_suspect(workspace, tmp_path):

@@ -236,7 +236,8 @@ def test_shared_responses_are_scored_once_with_the_same_rewards(tmp_path: Path) 
     """member_pair_rewards scores each distinct (prompt, response) once; the rewards equal
     scoring every pair's two sides separately, and gradients reach the model."""
     from tasks.config.params import TinyModelParams
-    from tasks.reward.reward_model import EncodedPair, init_reward_model, member_pair_rewards
+    from tasks.reward.reward_model import init_reward_model, member_pair_rewards
+    from tasks.reward.features import EncodedPair
     from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     model = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
@@ -256,7 +257,8 @@ def test_shared_responses_are_scored_once_with_the_same_rewards(tmp_path: Path) 
 
 
 def test_prompt_batches_keep_a_prompts_pairs_together() -> None:
-    from tasks.reward.reward_model import EncodedPair, prompt_batches
+    from tasks.reward.reward_model import prompt_batches
+    from tasks.reward.features import EncodedPair
     data = [EncodedPair((p,), (i,), (i + 100,)) for p in range(5) for i in range(3)]
     batches = prompt_batches(data, 6, torch.Generator().manual_seed(1))
     flat = [e for bt in batches for e in bt]

@@ -9,7 +9,7 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-from tasks.evaluation.report import GOLD, JUDGE, Row, value
+from tasks.evaluation.report_data import GOLD, JUDGE, Row, value
 
 Series = tuple[str, str]          # (metric key, legend label)
 # Honest axes: rates on [0, 1]; lengths and NLLs from 0, so run-to-run noise (fluency

@@ -1,8 +1,11 @@
-"""Build a pairwise LLM judge (`judge.kind: llm | http`) from params and the workspace root."""
+"""Build the configured judge from params and the workspace root (`make_judge`): the lexicon
+judges (tasks/judging/judges.py), a reward model as judge, or a pairwise LLM judge (`judge.kind:
+llm | http`). The top of the judging package: nothing in it imports this module."""
 from __future__ import annotations
 
 from pathlib import Path
 
+from tasks.judging.judges import JUDGES, PAIRWISE_KINDS, PointwiseJudge
 from tasks.judging.pairwise import PairwiseLLMJudge, cache_path, load_template
 from tasks.schemas.judge import JudgeParams
 from tasks.judging.verdict_cache import VerdictCache
@@ -32,3 +35,19 @@ def make_pairwise_judge(p: JudgeParams, root: Path, device: object = "cpu") -> P
     judge = PairwiseLLMJudge(p.kind, model, decoding, template, backend, None, batch)
     judge.cache = VerdictCache(cache_path(root, judge.version), judge.version)
     return judge
+
+
+def make_judge(p: JudgeParams, root: Path | None = None,
+               device: object = "cpu") -> PointwiseJudge:
+    """The configured judge. Pairwise kinds (llm, http) read their template and keep their
+    verdict cache under the workspace `root` (they have no `score`: see `is_pointwise`);
+    `reward_model` and `llm` find `judge.model` relative to it and load it on `device` (a
+    torch device or its name; importing this module imports no torch)."""
+    root = Path(".") if root is None else root
+    if p.kind in PAIRWISE_KINDS:
+        return make_pairwise_judge(p, root, device)  # type: ignore[return-value]
+    if p.kind == "reward_model":
+        from tasks.judging.judge_rm import RewardModelJudge
+        return RewardModelJudge((root / Path(p.model).expanduser()).resolve(), p.tie_margin,
+                                p.min_words, p.max_length, device=device)
+    return JUDGES[p.kind](p)

@@ -6,16 +6,15 @@ mind with the order gets "tie", never a coin flip. Judges that also score single
 (pointwise judges) let the pipeline pick best-vs-worst of K samples.
 
 Pointwise kinds (the lexicons) register in `JUDGES`, and `reward_model` (a trained RM's scores,
-tasks/judging/judge_rm.py) is pointwise too; the pairwise LLM judges (`llm`: a local
-causal LM, `http`: an OpenAI-compatible server) are built by tasks/judging/judge_factory.py and judged
-many comparisons at a time (`judge_pairs`).
+tasks/judging/judge_rm.py) is pointwise too; the pairwise LLM judges (`llm`: a local causal LM,
+`http`: an OpenAI-compatible server) judge many comparisons at a time (`judge_pairs`). Every
+kind is built by `make_judge` (tasks/judging/judge_factory.py).
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Protocol
 
 from tasks.data.records import Prompt
@@ -226,30 +225,13 @@ JUDGES: dict[str, Callable[[JudgeParams], PointwiseJudge]] = {
 PAIRWISE_KINDS = ("llm", "http")
 
 
-# the judge's keys that build it and shape its verdicts (make_judge, judge_factory): what a stage
+# the judge's keys that build it and shape its verdicts (judge_factory.make_judge): what a stage
 # that only asks the judge for verdicts reads (evaluate). How the judge stage turns verdicts into
 # pairs (pairs_per_prompt, pool_pairs, pool_margin, comparisons_per_prompt) and its workers are
 # not among them: changing those reruns the judge stage, not evaluate.
 BUILD_KEYS = ("kind", "version", "tie_margin", "min_words", "off_topic_penalty", "title_match",
               "register_penalty", "template", "model", "max_length", "decoding",
               "max_new_tokens", "max_concurrency", "timeout_s", "max_retries", "backoff_s")
-
-
-def make_judge(p: JudgeParams, root: Path | None = None,
-               device: object = "cpu") -> PointwiseJudge:
-    """The configured judge. Pairwise kinds (llm, http) read their template and keep their
-    verdict cache under the workspace `root` (they have no `score`: see `is_pointwise`);
-    `reward_model` and `llm` find `judge.model` relative to it and load it on `device` (a
-    torch device or its name; this module imports no torch)."""
-    root = Path(".") if root is None else root
-    if p.kind in PAIRWISE_KINDS:
-        from tasks.judging.judge_factory import make_pairwise_judge
-        return make_pairwise_judge(p, root, device)  # type: ignore[return-value]
-    if p.kind == "reward_model":
-        from tasks.judging.judge_rm import RewardModelJudge
-        return RewardModelJudge((root / Path(p.model).expanduser()).resolve(), p.tie_margin,
-                                p.min_words, p.max_length, device=device)
-    return JUDGES[p.kind](p)
 
 
 def is_pointwise(judge: PairwiseJudge) -> bool:

@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 
 from tasks.data import audit
-from tasks.judging.judges import (LexiconJudge, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
-                                  judge_pair, judge_pairs, make_judge, position_flipped, verdict_rates)
+from tasks.judging.judges import (LexiconJudge, PairwiseJudge, PointwiseJudge, Verdict,
+                                  is_pointwise, judge_pair, judge_pairs, position_flipped,
+                                  verdict_rates)
+from tasks.judging.judge_factory import make_judge
 from tasks.data.records import PreferencePair, Prompt, Rollout, Sampled
 from tasks.schemas.judge import JudgeParams
 

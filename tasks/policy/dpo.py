@@ -24,7 +24,8 @@ from tasks.runtime.distributed import SINGLE, Group, record_losses
 from tasks.policy.kl_budget import KLGuard, Snapshot
 from tasks.functional.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES, dpo_implicit_rewards
 from tasks.data.records import Rollout
-from tasks.reward.reward_model import EncodedPair, RewardModel, reward_mean_std
+from tasks.reward.reward_model import RewardModel, reward_mean_std
+from tasks.reward.features import EncodedPair
 from tasks.schemas.update import DPOParams
 
 

@@ -3,9 +3,8 @@
 An L2 logistic regression on frozen chosen-minus-rejected features, standardised so that one
 `probe_l2` fits any width, then folded back into the plain linear head. With `probe_l2_grid` the
 L2 is chosen by cross-validation over the training prompts, and with `num_layers_grid` the
-backbone's depth too (features of every candidate depth from one forward pass). `FrozenFeatures`
-computes each response's features once when the backbone no longer changes (`epochs: 0`), so
-fitting, scoring and the audit queue's margins share them.
+backbone's depth too (features of every candidate depth from one forward pass). The features
+themselves, and their cache while the backbone no longer changes, are tasks/reward/features.py's.
 """
 from __future__ import annotations
 
@@ -20,7 +19,8 @@ from tasks.models import lm
 from tasks.runtime.device import device_of
 from tasks.core.jsonl import DataError
 from tasks.functional.logistic import fit_logistic
-from tasks.reward.reward_model import EncodedPair, _pool, depth, features, truncate
+from tasks.reward.features import (EncodedPair, FrozenFeatures, Key, depth, pool_states,
+                                   truncate)
 from tasks.schemas.train_rm import TrainRMParams
 
 PROBE_FOLDS = 5                 # cross-validation folds of `probe_l2_grid`
@@ -37,57 +37,8 @@ def features_at_depths(model: transformers.PreTrainedModel, prompts: Sequence[Se
     states = backbone(input_ids=pk.ids, attention_mask=lm.attention_mask(model, pk.attention),
                       position_ids=pk.positions, output_hidden_states=True).hidden_states
     last = len(states) - 1                      # states[0]: embeddings; states[last]: normed
-    return torch.stack([_pool(states[d] if d == last else backbone.norm(states[d]), pk, pooling)
+    return torch.stack([pool_states(states[d] if d == last else backbone.norm(states[d]), pk, pooling)
                         for d in depths], dim=1)
-
-
-Key = tuple[tuple[int, ...], tuple[int, ...]]      # (prompt ids, response ids)
-
-
-class FrozenFeatures:
-    """The head's input features of each (prompt, response), computed once by a backbone that
-    no longer changes (`train_rm.epochs: 0`: the probe alone), so that fitting the probe,
-    scoring the train and held-out pairs and the audit queue's margins share one forward per
-    response instead of three. Missing keys are computed in batches of `batch_size` in the
-    order asked, as fit_probe_head batches them without a cache (the same probe, bit for bit,
-    for one member); the members of an ensemble share the backbone and so the features."""
-
-    def __init__(self, model: transformers.PreTrainedModel, pad_id: int, pooling: str,
-                 precision: str, batch_size: int = 32):
-        self.model, self.pad_id, self.pooling = model, pad_id, pooling
-        self.precision, self.batch_size = precision, batch_size
-        self.rows: dict[Key, Tensor] = {}
-
-    @torch.no_grad()
-    def get(self, keys: Sequence[Key]) -> Tensor:
-        """(U, H) fp32 features of `keys`."""
-        missing = list(dict.fromkeys(k for k in keys if k not in self.rows))
-        with lm.autocast(self.precision, device_of(self.model)):
-            for s in range(0, len(missing), self.batch_size):
-                chunk = missing[s: s + self.batch_size]
-                f = features(self.model, [k[0] for k in chunk], [k[1] for k in chunk],
-                             self.pad_id, self.pooling).float()                   # (b, H)
-                self.rows.update(zip(chunk, f))
-        return (torch.stack([self.rows[k] for k in keys]) if keys
-                else torch.zeros(0, 0, device=device_of(self.model)))
-
-    @torch.no_grad()
-    def pair_rewards(self, heads: Sequence[torch.nn.Module], data: Sequence[EncodedPair]
-                     ) -> tuple[Tensor, Tensor]:
-        """Every head's (K, N) rewards of the pairs' chosen and rejected responses; a head is
-        a member's `score` layer."""
-        if not data:
-            dev = device_of(self.model)
-            return torch.zeros(len(heads), 0, device=dev), torch.zeros(len(heads), 0, device=dev)
-        chosen = self.get([(e.prompt_ids, e.chosen_ids) for e in data])            # (N, H)
-        rejected = self.get([(e.prompt_ids, e.rejected_ids) for e in data])
-        return tuple(torch.stack([h(x).squeeze(-1).float() for h in heads])          # (K, N)
-                     for x in (chosen, rejected))  # type: ignore[return-value]
-
-    @torch.no_grad()
-    def margins(self, heads: Sequence[torch.nn.Module], data: Sequence[EncodedPair]) -> Tensor:
-        """Every head's margin on every pair, (K, N): pair_margins from the cache."""
-        return torch.sub(*self.pair_rewards(heads, data))
 
 
 def _probe_fit(diff: Tensor, l2: float) -> Tensor:

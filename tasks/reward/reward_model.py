@@ -11,8 +11,8 @@ chosen-minus-rejected features), then fine-tuned with the backbone for `epochs` 
 alone). An ensemble's reward is the mean over its members and its uncertainty
 the (population) std. Saved layout: K = 1 is one model directory (`models/iter_k/rm/`);
 K > 1 keeps each member in `models/iter_k/rm/member_<i>/`, with the stats beside them.
-Loading, scoring and training live here, the probe head in tasks/reward/probe.py; `train_rm` is the
-stage edge.
+Loading, scoring and training live here, the features the head reads in
+tasks/reward/features.py, the probe head in tasks/reward/probe.py; `train_rm` is the stage edge.
 """
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import transformers
@@ -30,23 +28,14 @@ from torch import Tensor
 
 from tasks.core import layout, progress
 from tasks.models import lm
+from tasks.reward.features import EncodedPair, FrozenFeatures, features, truncate
 from tasks.runtime.device import Device, device_of
 from tasks.runtime.distributed import SINGLE, Group, record_losses
 from tasks.functional.losses import bradley_terry_margin_loss
 from tasks.data.records import PreferencePair, Prompt
 from tasks.schemas.train_rm import TrainRMParams
 
-if TYPE_CHECKING:                   # tasks/reward/probe.py imports this module
-    from tasks.reward.probe import FrozenFeatures
-
 STATS_FILE = layout.RM_STATS
-
-
-@dataclass(frozen=True)
-class EncodedPair:
-    prompt_ids: tuple[int, ...]
-    chosen_ids: tuple[int, ...]
-    rejected_ids: tuple[int, ...]
 
 
 def init_reward_model(backbone_dir: Path, rng: torch.Generator | None = None,
@@ -63,21 +52,6 @@ def init_reward_model(backbone_dir: Path, rng: torch.Generator | None = None,
         with torch.no_grad():
             model.score.weight.normal_(0.0, model.config.initializer_range, generator=rng)
     return model.to(device)
-
-
-def truncate(model: transformers.PreTrainedModel, num_layers: int) -> None:
-    """Keep the backbone's first `num_layers` blocks (0, or at least its depth: all of them)."""
-    backbone = getattr(model, model.base_model_prefix)
-    if 0 < num_layers < len(backbone.layers):
-        backbone.layers = backbone.layers[:num_layers]
-        model.config.num_hidden_layers = num_layers
-        if getattr(model.config, "layer_types", None):
-            model.config.layer_types = model.config.layer_types[:num_layers]
-
-
-def depth(model: transformers.PreTrainedModel) -> int:
-    """The backbone's number of transformer blocks."""
-    return len(getattr(model, model.base_model_prefix).layers)
 
 
 class RewardEnsemble(torch.nn.Module):
@@ -124,29 +98,6 @@ def save_reward_model(members: Sequence[transformers.PreTrainedModel], path: Pat
         return
     for i, m in enumerate(members):
         m.save_pretrained(Path(path) / f"{layout.RM_MEMBER_PREFIX}{i}")
-
-
-def features(model: transformers.PreTrainedModel, prompts: Sequence[Sequence[int]],
-             responses: Sequence[Sequence[int]], pad_id: int, pooling: str = "last") -> Tensor:
-    """The (B, H) states the head reads: at each response's last token, or the mean over its
-    tokens (an empty response: its prompt's last). Responses to the same prompt share one
-    packed row, the prompt computed once (`lm.pack`)."""
-    pk = lm.pack(prompts, responses, pad_id, device_of(model))
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=pk.ids, attention_mask=lm.attention_mask(model, pk.attention),
-                      position_ids=pk.positions).last_hidden_state           # (G, T, H)
-    return _pool(hidden, pk, pooling)
-
-
-def _pool(hidden: Tensor, pk: lm.Packed, pooling: str) -> Tensor:
-    """(B, H) read-out of packed states (G, T, H): each response's last token, or its mean."""
-    if pooling == "last":
-        return hidden[pk.rows, pk.last_positions()]                         # (B, H)
-    _, at, mask = pk.predictors()                                           # (B, R) each
-    mask = mask.to(hidden.dtype)[..., None]
-    total = (hidden[pk.rows[:, None], at] * mask).sum(1)                    # (B, H)
-    empty = mask.sum(1) == 0
-    return torch.where(empty, hidden[pk.rows, pk.last_positions()], total / mask.sum(1).clamp(min=1))
 
 
 def _single_rewards(model: transformers.PreTrainedModel, prompts: Sequence[Sequence[int]],

@@ -19,7 +19,7 @@ from tasks.models import lm
 from tasks.runtime.device import Device
 from tasks.models.generation import load_prompts, sample_rollouts
 from tasks.core.jsonl import DataError
-from tasks.judging.judges import make_judge
+from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import judge_all, rollout_groups
 from tasks.data.pair_import import read_pairs
 from tasks.config.params import Params

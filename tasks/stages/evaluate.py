@@ -32,7 +32,8 @@ from tasks.models.generation import load_prompts, sample_rollouts, select_respon
 from tasks.evaluation.gold import GoldEvaluator, GoldScore, gold_verdict
 from tasks.core.jsonl import DataError
 from tasks.judging.judges import (BUILD_KEYS, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
-                                  judge_pair, judge_pairs, make_judge, position_flipped)
+                                  judge_pair, judge_pairs, position_flipped)
+from tasks.judging.judge_factory import make_judge
 from tasks.models.lm import mean_nll
 from tasks.config.params import Params
 from tasks.data.records import Prompt, Rollout, parse_rollout, prompt_to_record

@@ -11,7 +11,7 @@ from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ct
 
 from tasks.core import jsonl, layout
 from tasks.data import audit
-from tasks.judging.judges import make_judge
+from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import audit_agreement, judge_all, rollout_groups
 from tasks.data.records import parse_pair, parse_rollout
 

@@ -25,10 +25,12 @@ from tasks.runtime.distributed import SINGLE, Group
 from tasks.core.jsonl import DataError
 from tasks.config.params import Params
 from tasks.data.records import PreferencePair, parse_pair
-from tasks.reward.probe import PROBE_FOLDS, FrozenFeatures, choose_depth, fit_probe_head
-from tasks.reward.reward_model import (EncodedPair, RewardEnsemble, depth, encode_pairs,
-                                       ensemble_metrics, heads, heldout_split, init_reward_model,
-                                       pair_margins, save_reward_model, save_stats, train_reward)
+from tasks.reward.probe import PROBE_FOLDS, choose_depth, fit_probe_head
+from tasks.reward.features import FrozenFeatures
+from tasks.reward.reward_model import (RewardEnsemble, encode_pairs, ensemble_metrics, heads,
+                                       heldout_split, init_reward_model, pair_margins,
+                                       save_reward_model, save_stats, train_reward)
+from tasks.reward.features import EncodedPair, depth
 
 
 CONTRACT = stage.Contract(
