@@ -12,7 +12,7 @@ from flows import cli_workspace, import_pairs
 from flows import shipped, signals
 from flows import workspace as wsmod
 from flows.cli_views import (cmd_dag, cmd_lineage, cmd_params, cmd_report, cmd_status,
-                             existing_workspace, print_report)
+                             print_report)
 from flows.run import RunFailed, quiet_prefect
 from flows import targets
 from flows.targets import SETUP_STAGES
@@ -37,7 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_rerun(args: argparse.Namespace) -> int:
     from flows import dag
-    ws = existing_workspace(args.workspace)
+    ws = wsmod.existing_workspace(args.workspace)
     wsmod.validate(ws.root, None)
     names = [r.name for r in dag.ordered_stages(ws.root)]
     if args.stage not in names:
@@ -87,7 +87,7 @@ def _print_targets(root: Path, stages: list[str], ran: set[str]) -> None:
 
 def cmd_server(args: argparse.Namespace) -> int:
     from flows import server
-    ws = existing_workspace(args.workspace)
+    ws = wsmod.existing_workspace(args.workspace)
     if args.action == "start":
         info = server.start(ws, port=args.port)
         print(f"prefect server up: {info['ui_url']} (API {info['api_url']}, pid {info['pid']}); "
@@ -169,7 +169,7 @@ def _deploy_to_pool(ws: wsmod.Workspace, args: argparse.Namespace, when: str) ->
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    ws = existing_workspace(args.workspace)
+    ws = wsmod.existing_workspace(args.workspace)
     when = f"cron '{args.cron}'" if args.cron else f"every {args.interval:g} s"
     if args.work_pool:
         return _deploy_to_pool(ws, args, when)
@@ -183,7 +183,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_tick(args: argparse.Namespace) -> int:
-    ws = existing_workspace(args.workspace)
+    ws = wsmod.existing_workspace(args.workspace)
     if args.server:
         _api_url(ws)
     quiet_prefect()
@@ -198,7 +198,7 @@ def cmd_tick(args: argparse.Namespace) -> int:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     from flows import aliases
-    root = existing_workspace(args.workspace).root
+    root = wsmod.existing_workspace(args.workspace).root
     e = aliases.deploy(root, args.version, args.reason)
     print(f"production: v{e['from']} -> v{e['to']} ({e['who']}, {e['time']}: {e['why']})")
     return 0
@@ -206,7 +206,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     from flows import aliases
-    root = existing_workspace(args.workspace).root
+    root = wsmod.existing_workspace(args.workspace).root
     e = aliases.rollback(root, args.reason)
     print(f"production rolled back: v{e['from']} -> v{e['to']} ({e['who']}, {e['time']})")
     return 0
@@ -220,7 +220,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mlflow.tracking import MlflowClient
 
     from flows import lineage, restore
-    ws = existing_workspace(args.workspace)
+    ws = wsmod.existing_workspace(args.workspace)
     mv = lineage.resolve(MlflowClient(), args.model)       # one line for a bad name or alias
     try:
         model_dir = restore.materialise(ws.root, ws.state, mv.tags.get("model_path", "?"),

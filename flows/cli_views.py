@@ -15,22 +15,13 @@ from flows import workspace as wsmod
 from flows.run import RunFailed
 from tasks.core import layout
 from tasks.core.errors import InputError
-from tasks.evaluation.report import collect_report
-
-
-def existing_workspace(workspace: str) -> wsmod.Workspace:
-    root = Path(workspace).resolve()
-    if not (root / "dvc.yaml").is_file():
-        raise InputError(f"{root}: not an alignloop workspace (no dvc.yaml); run it first")
-    ws = wsmod.Workspace(root)
-    wsmod.apply_environment(ws)
-    return ws
+from tasks.evaluation.report_data import collect_report
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from flows import dag
     from flows.cli_workspace import upgrade_notice
-    root = existing_workspace(args.workspace).root
+    root = wsmod.existing_workspace(args.workspace).root
     notice = upgrade_notice(root)
     if notice:
         print(notice, file=sys.stderr if args.json else sys.stdout)
@@ -89,7 +80,7 @@ def print_report(root: Path) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     root = Path(args.workspace).resolve()
     if args.html:
-        print(_report_page(existing_workspace(args.workspace)))
+        print(_report_page(wsmod.existing_workspace(args.workspace)))
     elif args.json:
         print(json.dumps(collect_report(root), indent=2, sort_keys=True))
     else:
@@ -102,7 +93,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
     from flows import lineage, verify
     from flows.registry_record import Record
-    ws = existing_workspace(args.workspace)
+    ws = wsmod.existing_workspace(args.workspace)
     root = ws.root
     own_store = os.environ["MLFLOW_TRACKING_URI"] == ws.mlflow_uri
     client: Any
@@ -167,7 +158,7 @@ def _print_lineage(node: dict, indent: int = 0) -> None:
 
 def cmd_dag(args: argparse.Namespace) -> int:
     from flows import dag
-    root = existing_workspace(args.workspace).root
+    root = wsmod.existing_workspace(args.workspace).root
     if args.mermaid or args.dot:
         import subprocess
         out = subprocess.run([sys.executable, "-m", "dvc", "dag", "--mermaid" if args.mermaid

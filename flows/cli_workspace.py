@@ -54,8 +54,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_upgrade(args: argparse.Namespace) -> int:
-    from flows.cli_views import existing_workspace
-    ws = existing_workspace(args.workspace)
+    ws = wsmod.existing_workspace(args.workspace)
     with wsmod.workspace_lock(ws):
         changed = wsmod.sync_pipeline(ws.root)
         if not changed:

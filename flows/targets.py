@@ -138,7 +138,7 @@ def assess(root: Path, stages: Sequence[str]) -> dict[str, Any] | None:
     iteration has metrics."""
     from flows.dag import read_lock
     from flows.workspace import Workspace
-    from tasks.evaluation.report import with_intervals
+    from tasks.evaluation.report_data import with_intervals
     evaluated = [int(d.name[5:]) for d in (root / layout.METRICS_DIR).glob("iter_*")
                  if d.name[5:].isdigit() and (d / "evaluate.json").is_file()]
     if not evaluated:

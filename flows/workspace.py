@@ -422,3 +422,14 @@ def profile_text(path: Path) -> str:
                 lines[i] = f"{m['indent']}path: {json.dumps(str(absolute))}{m['rest']}{end}"
             break
     return header(profile) + "".join(lines)
+
+
+def existing_workspace(workspace: str) -> Workspace:
+    """The workspace a command reads (its directory as given), its environment applied; one line
+    when it is none."""
+    root = Path(workspace).resolve()
+    if not (root / "dvc.yaml").is_file():
+        raise InputError(f"{root}: not an alignloop workspace (no dvc.yaml); run it first")
+    ws = Workspace(root)
+    apply_environment(ws)
+    return ws

@@ -347,7 +347,7 @@ def test_cli_report_html_prints_the_path_and_rebuilds_a_stale_page(tiny_run, tmp
 
 
 def test_intervals_are_also_reported_as_pairs() -> None:
-    from tasks.evaluation.report import with_intervals
+    from tasks.evaluation.report_data import with_intervals
     m = with_intervals({"eval/win_rate": 0.8, "eval/win_rate_ci_low": 0.7,
                         "eval/win_rate_ci_high": 0.9, "eval/gold_win_rate_ci_low": 0.6})
     assert m["eval/win_rate_ci"] == [0.7, 0.9]
