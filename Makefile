@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 WORKSPACE ?= workspace
 PARAMS ?= params/default.yaml
 
-.PHONY: setup run run-tiny test test-slow test-kernels docs status report clean-workspace
+.PHONY: setup run run-tiny lint test test-slow test-kernels docs status report clean-workspace
 
 $(STAMP): pyproject.toml setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,8 +33,12 @@ run: $(STAMP)
 run-tiny: $(STAMP)
 	$(BIN)/alignloop run --params params/tiny.yaml --workspace $(WORKSPACE)-tiny
 
+# ruff over the code (its rules: pyproject.toml, [tool.ruff]); `make test` runs it first.
+lint: $(STAMP)
+	$(BIN)/ruff check tasks flows tests
+
 # The default test run: unit, per-stage smoke and flow tests on the tiny profile (minutes).
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -m "not slow" -q
 
 # The `slow` tests, minutes each: the real default model (SmolLM2-135M-Instruct), and whole

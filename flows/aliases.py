@@ -103,7 +103,7 @@ def _who(root: Path) -> str:
     name = git(root, "config", "user.name", check=False)
     try:
         user = getpass.getuser()
-    except Exception:   # no passwd entry in some containers
+    except Exception:   # noqa: BLE001 (no passwd entry in some containers)
         user = "unknown"
     return f"{user} ({name})" if name else user
 

@@ -8,13 +8,10 @@ import os
 import sys
 from pathlib import Path
 
-from flows import cli_workspace, import_pairs
-from flows import shipped, signals
+from flows import cli_workspace, import_pairs, shipped, signals, targets
 from flows import workspace as wsmod
-from flows.cli_views import (cmd_dag, cmd_lineage, cmd_params, cmd_report, cmd_status,
-                             print_report)
+from flows.cli_views import cmd_dag, cmd_lineage, cmd_params, cmd_report, cmd_status, print_report
 from flows.run import RunFailed, quiet_prefect
-from flows import targets
 from flows.targets import SETUP_STAGES
 from tasks.core import layout
 from tasks.core.errors import InputError

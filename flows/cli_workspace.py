@@ -17,9 +17,9 @@ import yaml
 
 from flows import shipped
 from flows import workspace as wsmod
+from tasks.config.params import SAFE_LOADER
 from tasks.core import layout
 from tasks.core.errors import InputError
-from tasks.config.params import SAFE_LOADER
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:

@@ -20,8 +20,8 @@ import yaml
 from dvc.exceptions import ReproductionError
 from dvc.repo import Repo
 
-from tasks.core import heap, layout
 from tasks.config.params import SAFE_LOADER
+from tasks.core import heap, layout
 
 # canonical order among stages that DVC leaves unordered (topology always wins)
 STAGE_ORDER = layout.STAGES
@@ -408,7 +408,7 @@ def _in_run_cache(repo: Repo, stage: Any) -> bool:
     try:
         stage.save_deps(allow_missing=True)       # hash deps as they are now, not as locked
         return repo.stage_cache._load(stage) is not None   # noqa: SLF001 (no public API)
-    except Exception:   # the run-cache is an optimisation; never fail a run over it
+    except Exception:   # noqa: BLE001 (the run-cache is an optimisation; never fail a run over it)
         return False
 
 

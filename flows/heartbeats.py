@@ -35,7 +35,7 @@ def send_heartbeats(engine: Any, join_on_exit: bool = True) -> Iterator[None]:
         yield
         return
     seconds = max(seconds, flow_engine.MINIMUM_HEARTBEAT_INTERVAL)
-    resource, related = engine._build_heartbeat_event_template()
+    resource, related = engine._build_heartbeat_event_template()  # noqa: SLF001 (Prefect has no public API for it)
     stop = threading.Event()
 
     def loop() -> None:
@@ -44,7 +44,7 @@ def send_heartbeats(engine: Any, join_on_exit: bool = True) -> Iterator[None]:
             if run is not None and run.state is not None and run.state.is_final():
                 return                        # a final run sends none
             try:
-                engine._emit_flow_run_heartbeat(resource, related)
+                engine._emit_flow_run_heartbeat(resource, related)  # noqa: SLF001
             except Exception:
                 engine.logger.debug("Failed to emit heartbeat", exc_info=True)
             stop.wait(seconds)
@@ -73,11 +73,11 @@ def install() -> bool:
     """Replace the engine's heartbeat loop; returns whether it was replaced."""
     if not supported():
         return False
-    flow_engine._send_heartbeats = send_heartbeats       # type: ignore[attr-defined]
+    flow_engine._send_heartbeats = send_heartbeats  # type: ignore[attr-defined]  # noqa: SLF001
     return True
 
 
 def uninstall() -> None:
     """Prefect's own loop again (the benchmark's other side)."""
     if _PREFECTS is not None:
-        flow_engine._send_heartbeats = _PREFECTS          # type: ignore[attr-defined]
+        flow_engine._send_heartbeats = _PREFECTS  # type: ignore[attr-defined]  # noqa: SLF001

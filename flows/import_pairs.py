@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 from flows import workspace as wsmod
+from tasks.config.params import load_params
 from tasks.core import jsonl, layout
 from tasks.core.errors import InputError
 from tasks.data.pair_import import ImportResult, read_pairs
-from tasks.config.params import load_params
 
 SHOWN_REFUSED = 5        # locations of refused (chosen == rejected) rows printed
 

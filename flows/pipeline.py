@@ -22,13 +22,22 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from flows import (crashpoints, dag, heartbeats, registry, registry_record, relocate, signals,
-                   targets, tracking)
+from flows import (
+    crashpoints,
+    dag,
+    heartbeats,
+    registry,
+    registry_record,
+    relocate,
+    signals,
+    targets,
+    tracking,
+)
 from flows.workspace import STATE_DIR, Workspace, git, git_bytes
+from tasks.config.params import JudgeParams
 from tasks.core import layout
 from tasks.judging.judges import PAIRWISE_KINDS
 from tasks.judging.pairwise import load_template
-from tasks.config.params import JudgeParams
 from tasks.runtime.stage import SUMMARY_FILE_ENV
 
 Summary = dict[str, Any]
@@ -44,7 +53,7 @@ def say(msg: str, terminal: bool = True) -> None:
         print(msg, flush=True)
     try:
         get_run_logger().info(msg)
-    except Exception:   # outside a run context (tests calling helpers directly)
+    except Exception:   # noqa: BLE001 (outside a run context (tests calling helpers directly))
         pass
 
 
@@ -53,7 +62,7 @@ def warn(msg: str) -> None:
     logger: logging.Logger | logging.LoggerAdapter
     try:
         logger = get_run_logger()
-    except Exception:   # outside a run context
+    except Exception:   # noqa: BLE001 (outside a run context)
         logger = logging.getLogger(__name__)
     logger.warning(msg, exc_info=True)
 
@@ -62,9 +71,9 @@ def warn(msg: str) -> None:
 def run_stage(root: str, name: str, force: bool = False, terminal_cached: bool = True
               ) -> dag.StageRun:
     """Bring one stage instance up to date. Its progress lines go to the terminal and the
-    Prefect log, its summary line (`tasks.runtime.stage.say`) to the Prefect log; a stage found up to
-    date goes to the terminal only with `terminal_cached` (the loop's stages: the flow says
-    one line per iteration found wholly up to date)."""
+    Prefect log, its summary line (`tasks.runtime.stage.say`) to the Prefect log; a stage found up
+    to date goes to the terminal only with `terminal_cached` (the loop's stages: the flow says one
+    line per iteration found wholly up to date)."""
     run_id = flow_run.get_id()              # one open DVC repo per flow run: parsed once
     session = dag.session_for(Path(root), str(run_id)) if run_id else None
     if session is not None and not force and session.up_to_date(name):
@@ -276,7 +285,7 @@ def publish_report(root: str, last: Summary) -> dict[str, str]:
         run_id = str(last["mlflow_run_id"])        # every recorded iteration has its run
         registry.MlflowClient().log_artifacts(run_id, str(html.parent), REPORT_MLFLOW_PATH)
         done["mlflow_run_id"] = run_id
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (the report's MLflow copy is best effort)
         warn(f"report: not logged to MLflow ({type(e).__name__}: {e})")
     try:
         markdown = report.render_markdown(path, html, done.get("mlflow_run_id"))
@@ -289,7 +298,7 @@ def publish_report(root: str, last: Summary) -> dict[str, str]:
         artifact = create_markdown_artifact(markdown, key=REPORT_ARTIFACT_KEY,
                                             description=f"alignloop report: {path}")
         done["prefect_artifact"] = str(artifact)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (the Prefect artifact is best effort)
         warn(f"report: no Prefect artifact ({type(e).__name__}: {e})")
     return done
 

@@ -25,8 +25,8 @@ from mlflow.tracking import MlflowClient
 from flows import crashpoints
 from flows.dag import parse_name
 from flows.tracking import entry_io
-from tasks.core import layout
 from tasks.config.params import load_params, prev_of
+from tasks.core import layout
 
 POLICY_MODEL = "alignloop-policy"
 REWARD_MODEL = "alignloop-reward-model"

@@ -104,7 +104,7 @@ def _flow(ws: wsmod.Workspace, force: list[str], server: object | None,
           logs: dict[str, Path]) -> list[dict]:
     # done while the server starts (PREFECT_API_URL is set already): the imports, the MLflow
     # store and the parse of the DAG take seconds of one core, the server's start the other's
-    from flows.pipeline import alignloop, warm_up   # imports MLflow, which sets up its
+    from flows.pipeline import alignloop, warm_up  # imports MLflow, which sets up its
     logging.captureWarnings(True)             # logger: quieted after it; library warnings go
     quiet_prefect(logs["log"])               # to the log file too
     warm_up(ws.root)

@@ -30,8 +30,8 @@ from prefect.states import Completed, State
 
 from flows import shipped
 from flows.workspace import Busy, Workspace, apply_environment, git, workspace_lock
-from tasks.core import layout
 from tasks.config.params import iteration_numbers, parse_params
+from tasks.core import layout
 
 Overlap = Literal["wait", "skip"]
 ENTRYPOINT = "flows/schedule.py:tick"   # relative to shipped.code_root(), where a worker loads it
@@ -123,7 +123,7 @@ def skip_if_busy(ws: Workspace, overlap: Overlap) -> bool:
 
 def _next_iteration(ws: Workspace, waited_s: float) -> dict[str, object]:
     """Append the next iteration to params.yaml and run the DAG; called under the lock."""
-    from flows import pipeline                 # MLflow, DVC: only for a tick that runs
+    from flows import pipeline  # MLflow, DVC: only for a tick that runs
     started = time.time()
     head = git(ws.root, "rev-parse", "HEAD")
     path = ws.root / layout.PARAMS_FILE

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from flows.workspace import STATE_DIR
-from tasks.core import atomic, layout
 from tasks.config.params import TargetParams
+from tasks.core import atomic, layout
 
 SETUP_STAGES = layout.SETUP_STAGES
 SECONDS_FILE = "stage_seconds.json"      # in .alignloop/: stage -> {seconds, lock fingerprint}

@@ -64,13 +64,13 @@ def code_md5(entry: dict[str, Any]) -> str:
 
 def ran_on(entry: dict[str, Any], outcome: str) -> dict[str, str]:
     """The `device` tag of a stage run: its `device` param resolved as the stage resolved it
-    (tasks/runtime/device.py, on this machine: stages run here as the flow's subprocesses). Only for a
-    stage that declares the param and ran now: restored or cached outputs were computed
-    earlier, maybe elsewhere, and their param value (auto, say) does not say where."""
+    (tasks/runtime/device.py, on this machine: stages run here as the flow's subprocesses). Only for
+    a stage that declares the param and ran now: restored or cached outputs were computed earlier,
+    maybe elsewhere, and their param value (auto, say) does not say where."""
     name = entry.get("params", {}).get(layout.PARAMS_FILE, {}).get("device")
     if name is None or outcome != "ran":
         return {}
-    from tasks.runtime.device import resolve_device   # torch, not transformers: only here
+    from tasks.runtime.device import resolve_device  # torch, not transformers: only here
     return {f"{TAG}device": str(resolve_device(str(name)))}
 
 
@@ -101,7 +101,7 @@ def _datasets(root: Path, entry: dict[str, Any], remote: str | None) -> list[Dat
                 warnings.filterwarnings(      # says so on every resolve: not the user's concern
                     "ignore", message="The specified dataset source can be interpreted")
                 source = resolve_dataset_source(where)
-        except Exception:   # a remote scheme MLflow has no dataset source for
+        except Exception:   # noqa: BLE001 (a remote scheme MLflow has no dataset source for)
             source = HTTPDatasetSource(where)
         ds = MetaDataset(source=source, name=path, digest=md5)
         kind = "model" if path.startswith("models/") else "data"

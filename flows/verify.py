@@ -70,7 +70,7 @@ def _load_weights(path: Path) -> str | None:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 f.get_tensor(key)
-    except Exception as e:   # any failure to load is the finding
+    except Exception as e:   # noqa: BLE001 (any failure to load is the finding)
         return f"weights do not load: {e}"
     return None
 

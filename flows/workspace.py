@@ -23,10 +23,10 @@ from typing import Any
 import yaml
 
 from flows import shipped
-from tasks.core import atomic, layout
-from tasks.core.errors import InputError
 from tasks.config.params import SAFE_LOADER, Params, load_params, to_dict
 from tasks.config.profiles import Profile, read_profile
+from tasks.core import atomic, layout
+from tasks.core.errors import InputError
 
 STATE_DIR = ".alignloop"             # Prefect home, MLflow store, DVC remote, server pid/logs
 REMOTE = "local"                     # the default DVC remote: <workspace>/.alignloop/dvc-remote
@@ -227,9 +227,9 @@ def init(root: Path) -> bool:
     if not (root / ".dvc").exists():
         import contextlib
         import io
+        import logging
 
         from dvc.repo import Repo
-        import logging
         dvc_log = logging.getLogger("dvc")
         level, dvc_log.level = dvc_log.level, logging.WARNING
         try:

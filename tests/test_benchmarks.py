@@ -226,10 +226,10 @@ def test_rm_depth_reports_every_depth_and_picks_as_train_rm_would(tiny_run) -> N
 
     import torch
 
-    from tasks.core import jsonl, layout
-    from tasks.models import lm
     from tasks.config.params import load_params
+    from tasks.core import jsonl, layout
     from tasks.data.records import parse_pair
+    from tasks.models import lm
     from tasks.reward.probe import choose_depth
     from tasks.reward.reward_model import encode_pairs, heldout_split, init_reward_model
     ws = tiny_run["ws"]

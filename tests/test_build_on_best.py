@@ -12,8 +12,8 @@ from conftest import copy_workspace, run_cli
 from flows.dag import read_lock
 from flows.registry_record import RECORD
 from flows.tracking import entry_io
-from tasks.core import layout
 from tasks.config.params import load_params
+from tasks.core import layout
 
 
 def _versions(ws: Path) -> dict[str, dict]:

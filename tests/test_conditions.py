@@ -1,6 +1,6 @@
-"""Conditional inputs (tasks/config/conditions.py): a dep read under some params only is declared in a
-workspace's dvc.yaml only where those params hold, so DVC neither reruns the stage for an input
-it never reads nor records it in the lineage; on the user's path with real DVC."""
+"""Conditional inputs (tasks/config/conditions.py): a dep read under some params only is declared in
+a workspace's dvc.yaml only where those params hold, so DVC neither reruns the stage for an input it
+never reads nor records it in the lineage; on the user's path with real DVC."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,8 @@ import yaml
 
 from conftest import ROOT, TINY, copy_workspace, ran_stages, run_cli, set_params
 from tasks.config import conditions
-from tasks.core import layout
 from tasks.config.params import load_params
+from tasks.core import layout
 
 TEMPLATE = (ROOT / "dvc.yaml").read_text()
 
@@ -83,8 +83,9 @@ def _lock_deps(ws: Path, stage: str) -> set[str]:
 def test_a_dpo_policy_neither_depends_on_nor_names_the_reward_model(tiny_run) -> None:
     """In the tiny run (DPO on the judge's pairs): dvc.lock, the registry's input tags and the
     DAG agree that update@k never read the RM; retraining it reruns evaluation, not the update."""
-    from flows import dag
     from mlflow.tracking import MlflowClient
+
+    from flows import dag
     ws = tiny_run["ws"]
     for it in (1, 2):
         deps = _lock_deps(ws, f"update@{it}")

@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from conftest import run_cli
-from tasks.runtime.device import DeviceError, resolve_device
 from tasks.config.params import ParamsError, load_params, parse_params
+from tasks.runtime.device import DeviceError, resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "params" / "tiny.yaml"

@@ -17,12 +17,10 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import run_cli, run_stage, tiny_stage_workspace
-
+from tasks.config.params import ParamsError, parse_params
 from tasks.core import layout
 from tasks.runtime import distributed, stage
-from tasks.config.params import ParamsError, parse_params
 from tasks.stages import judge, rollout, train_rm, update
-
 from test_dpo_family import SETUP
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,7 +127,7 @@ def test_dpo_update_on_two_processes_matches_one(base: Path, tmp_path: Path,
     # each rank in others again: CPU-dependent bits), so that step's accuracy may differ by
     # up to 1, the mean over the steps by 1 / steps; later margins are far from 0
     signs = {"update/reward_accuracy_mean": 1 / m1["update/steps"]}
-    rest = lambda m: {k: v for k, v in m.items() if k not in signs}  # noqa: E731
+    rest = lambda m: {k: v for k, v in m.items() if k not in signs}
     assert rest(m2) == pytest.approx(rest(m1), abs=1e-4)
     for k, tol in signs.items():
         assert abs(m2[k] - m1[k]) <= tol + 1e-4, (k, m1[k], m2[k])
@@ -185,7 +183,7 @@ def test_ppo_on_two_processes_through_the_cli(tmp_path: Path) -> None:
 
 def test_processes_must_be_positive() -> None:
     head, update_etc = (REPO / "params" / "tiny.yaml").read_text().split("\nupdate:\n", 1)
-    edit = lambda *pairs: head + "\nupdate:\n" + reduce(  # noqa: E731
+    edit = lambda *pairs: head + "\nupdate:\n" + reduce(
         lambda t, p: t.replace(p[0], p[1], 1), pairs, update_etc)
     with pytest.raises(ParamsError, match=r"tiny.yaml:\d+: update.processes: must be >= 1"):
         parse_params(edit(("processes: 1\n", "processes: 0\n")), "tiny.yaml")

@@ -15,18 +15,31 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_stage, set_params, tiny_stage_workspace
-
 from tasks.core import jsonl, layout
 from tasks.data import audit
+from tasks.data.records import parse_pair, parse_rollout
+from tasks.functional.losses import (
+    DPO_LOSSES,
+    LENGTH_NORMALISED_LOSSES,
+    cdpo_loss,
+    dpo_sigmoid_loss,
+    ipo_loss,
+)
 from tasks.models import lm
+from tasks.policy.dpo import _pair_logprobs, offpolicy_indices
 from tasks.reward import reward_model
 from tasks.runtime import stage
-from tasks.policy.dpo import _pair_logprobs, offpolicy_indices
-from tasks.functional.losses import (DPO_LOSSES, LENGTH_NORMALISED_LOSSES, cdpo_loss, dpo_sigmoid_loss,
-                                     ipo_loss)
-from tasks.data.records import parse_pair, parse_rollout
-from tasks.stages import (collect_offpolicy, evaluate, judge, prepare_model, prompts,
-                          reference_samples, rollout, train_rm, update)
+from tasks.stages import (
+    collect_offpolicy,
+    evaluate,
+    judge,
+    prepare_model,
+    prompts,
+    reference_samples,
+    rollout,
+    train_rm,
+    update,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks.core import layout
 from tasks.config.profiles import read_profile
+from tasks.core import layout
 from tasks.runtime.stage import Contract
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,8 +236,9 @@ def test_isolation_check_sees_every_form_of_a_stage_import() -> None:
 
 
 def test_schema_classes_are_imported_from_their_schema_module() -> None:
-    """tasks/config/params.py re-exports the schema for whole-profile readers (flows, tests); a module
-    in tasks/ that imported a class through it would hide that schema from `stage_sources`."""
+    """tasks/config/params.py re-exports the schema for whole-profile readers (flows, tests); a
+    module in tasks/ that imported a class through it would hide that schema from
+    `stage_sources`."""
     tree = ast.parse((ROOT / "tasks" / "config" / "params.py").read_text())
     own = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | \
         {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
@@ -380,7 +381,8 @@ def test_templated_values_exist_in_tiny() -> None:
                     lookup(TINY, ref)        # raises KeyError when the profile lacks it
 
 
-# --- conditional deps (tasks/config/conditions.py) ----------------------------------------------------
+# --- conditional deps (tasks/config/conditions.py)
+# ----------------------------------------------------
 
 def test_conditional_deps_are_the_contracts_when() -> None:
     """Each dep dvc.yaml marks `# if: NAME` is one the stage's contract reads under NAME, and

@@ -1,5 +1,6 @@
-"""The gold evaluator's review check (tasks/evaluation/genre.py): sentence split, its versioned examples,
-and what it measures on the hand-labelled calibration set (benchmarks/data/genre_labels.jsonl)."""
+"""The gold evaluator's review check (tasks/evaluation/genre.py): sentence split, its versioned
+examples, and what it measures on the hand-labelled calibration set
+(benchmarks/data/genre_labels.jsonl)."""
 from __future__ import annotations
 
 import json
@@ -7,16 +8,17 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.calibrate_genre import at_threshold  # noqa: E402
+from tasks.config.params import GoldParams, load_params  # noqa: E402
 from tasks.core import jsonl  # noqa: E402
+from tasks.core.jsonl import DataError  # noqa: E402
 from tasks.evaluation.genre import read_examples, sentences  # noqa: E402
 from tasks.evaluation.gold import GoldEvaluator, GoldScore, gold_verdict  # noqa: E402
-from tasks.core.jsonl import DataError  # noqa: E402
-from tasks.config.params import GoldParams, load_params  # noqa: E402
 
 LABELS = ROOT / "benchmarks/data/genre_labels.jsonl"
 # the letters and replies the issue found the default policy writing instead of reviews

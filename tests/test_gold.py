@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from tasks.config.params import GenerationParams, GoldParams, MonitorParams
 from tasks.evaluation.gold import GoldEvaluator, GoldScore, gold_verdict, subject_title
 from tasks.models.lm import mean_nll
-from tasks.config.params import GenerationParams, GoldParams, MonitorParams
 from tasks.stages.evaluate import best_of_n_kl, hacking_flags, kl_per_response, padded, untempered
 
 

@@ -1,5 +1,5 @@
-"""Candidate against champion on the select prompts (tasks/evaluation/headtohead.py), the select prompt set
-(stage prompts) and the gate's head-to-head rule."""
+"""Candidate against champion on the select prompts (tasks/evaluation/headtohead.py), the select
+prompt set (stage prompts) and the gate's head-to-head rule."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.evaluation import headtohead
 from tasks.core.jsonl import DataError
+from tasks.evaluation import headtohead
 from tasks.schemas.gate import GateParams
 from tasks.schemas.prompts import PromptParams
 from tasks.stages.gate import decide
@@ -78,7 +78,7 @@ def test_select_prompts_use_subjects_neither_other_set_has_and_change_neither():
 def test_the_gate_promotes_only_a_gain_over_the_champion_beyond_its_noise():
     base = {"eval/win_rate": 0.9, "eval/win_rate_ci_low": 0.8, "eval/kl": 5.0}
     p = GateParams(min_champion_gold_ci_low=0.5)
-    vs = lambda lo: {"eval/champion_gold_win_rate": lo + 0.09,  # noqa: E731
+    vs = lambda lo: {"eval/champion_gold_win_rate": lo + 0.09,
                      "eval/champion_gold_win_rate_ci_low": lo}
     assert not decide({**base, **vs(0.46)}, p)["passed"]     # 0.55: a copy's luck
     assert not decide({**base, **vs(0.5)}, p)["passed"]

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.judging.judge_http import Endpoint, HttpBackend, endpoint_from_env
-from tasks.judging.judges import judge_pairs
-from tasks.judging.judge_factory import make_judge
-from tasks.judging.pairwise import JudgeStats
 from tasks.config.params import JudgeParams
 from tasks.data.records import Message
+from tasks.judging.judge_factory import make_judge
+from tasks.judging.judge_http import Endpoint, HttpBackend, endpoint_from_env
+from tasks.judging.judges import judge_pairs
+from tasks.judging.pairwise import JudgeStats
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = (Message("user", "Write a short review of Jaws."),)

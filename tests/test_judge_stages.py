@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from conftest import set_params
+from tasks.config.params import load_params
 from tasks.core import jsonl, layout
 from tasks.judging.judge_llm import LocalLMBackend
 from tasks.judging.pairwise import JudgeStats
-from tasks.config.params import load_params
 from tasks.stages import collect_offpolicy, judge, prepare_model, prompts, rollout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,9 +209,9 @@ def test_reward_model_judge_scores_as_the_models_own_forward(base: Path, user_rm
     import torch
     import transformers
 
-    from tasks.models import lm
-    from tasks.judging.judge_rm import RewardModelJudge
     from tasks.data.records import parse_rollout
+    from tasks.judging.judge_rm import RewardModelJudge
+    from tasks.models import lm
     path = base / layout.rollouts(1)
     rollouts = [parse_rollout(r, str(path), n) for n, r in jsonl.read(path)][:6]
     judge = RewardModelJudge(user_rm, 0.05, 1, 512)
@@ -229,8 +229,8 @@ def test_reward_model_judge_scores_as_the_models_own_forward(base: Path, user_rm
 def test_reward_model_judge_stage_pairs_best_against_worst(base: Path, user_rm: Path) -> None:
     """judge.kind: reward_model through the judge stage: per prompt the highest-reward sample is
     chosen over the lowest; the pairs name the model and its weights' md5."""
-    from tasks.judging.judge_rm import RewardModelJudge, rm_md5
     from tasks.data.records import parse_rollout
+    from tasks.judging.judge_rm import RewardModelJudge, rm_md5
     root = base.parent / "rm-judge"
     shutil.copytree(base, root)
     set_judge(root, kind="reward_model", model=str(user_rm))

@@ -6,13 +6,18 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tasks.judging.judges import (LexiconJudge, Verdict, judge_pair, verdict_from_scores,
-                                  verdict_rates)
-from tasks.judging.judge_factory import make_judge
-from tasks.judging.labelling import judge_groups, ranked_pairs
 from tasks.config.params import JudgeParams
 from tasks.data.records import Message, Prompt
 from tasks.evaluation.winrate import win_rate
+from tasks.judging.judge_factory import make_judge
+from tasks.judging.judges import (
+    LexiconJudge,
+    Verdict,
+    judge_pair,
+    verdict_from_scores,
+    verdict_rates,
+)
+from tasks.judging.labelling import judge_groups, ranked_pairs
 
 PROMPT: Prompt = (Message("user", "Write a short review of Jaws."),)
 POSITIVE = "A wonderful, brilliant and beautiful film. I loved it, a true masterpiece!"
@@ -242,8 +247,8 @@ def test_judge_groups_two_pairs_per_prompt() -> None:
 
 
 def test_title_words_and_mentions() -> None:
-    from tasks.judging.judges import mentions, title_words
     from tasks.data.records import Message
+    from tasks.judging.judges import mentions, title_words
     prompt = (Message("user", "Write a short review of the movie Dr. Strangelove (1964)."),)
     assert title_words(prompt) == {"dr", "strangelove", "1964"}
     assert mentions(prompt, "Strangelove is a sharp satire.")
@@ -262,9 +267,9 @@ def test_title_words_and_mentions() -> None:
 
 
 def test_the_judge_builds_with_its_title_match() -> None:
-    from tasks.judging.judge_factory import make_judge
     from tasks.config.params import JudgeParams
     from tasks.data.records import Message
+    from tasks.judging.judge_factory import make_judge
     prompt = (Message("user", "Write a short review of Bringing Up Baby (1938)."),)
     text = "A wonderful baby, a wonderful film."
     loose = make_judge(JudgeParams(kind="lexicon_review", title_match="any"))

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from tasks.models.tiny_model import build_tiny_model
 from tasks.policy.dpo import train_dpo
 from tasks.policy.kl_budget import KLGuard, guard_prompts
 from tasks.reward.features import EncodedPair
 from tasks.schemas.generation import GenerationParams
 from tasks.schemas.model import TinyModelParams
 from tasks.schemas.update import DPOParams, KLBudgetParams
-from tasks.models.tiny_model import build_tiny_model
 
 VOCAB = 64
 SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
@@ -27,7 +27,7 @@ def _model() -> torch.nn.Module:
 
 def _pairs(n: int = 16) -> list[EncodedPair]:
     g = torch.Generator().manual_seed(3)
-    ids = lambda k: tuple(int(x) for x in torch.randint(3, VOCAB, (k,), generator=g))  # noqa: E731
+    ids = lambda k: tuple(int(x) for x in torch.randint(3, VOCAB, (k,), generator=g))
     return [EncodedPair(ids(5), ids(6) + (2,), ids(6) + (2,)) for _ in range(n)]
 
 

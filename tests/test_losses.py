@@ -6,8 +6,15 @@ import math
 import pytest
 import torch
 
-from tasks.functional.losses import (bradley_terry_loss, dpo_implicit_rewards, dpo_sigmoid_loss, kl_k1,
-                                     kl_k3, ppo_clip_loss, whiten)
+from tasks.functional.losses import (
+    bradley_terry_loss,
+    dpo_implicit_rewards,
+    dpo_sigmoid_loss,
+    kl_k1,
+    kl_k3,
+    ppo_clip_loss,
+    whiten,
+)
 
 
 def t(*xs: float) -> torch.Tensor:

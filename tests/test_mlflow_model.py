@@ -12,9 +12,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from tasks.config.params import load_params
 from tasks.core import layout
 from tasks.models import lm, mlflow_model, model_card
-from tasks.config.params import load_params
 
 CHAT = [{"role": "user", "content": "Write a short movie review of Alien (1979)."}]
 
@@ -179,6 +179,7 @@ def test_rewriting_gives_identical_bytes(registry, tmp_path):
 def test_an_ensemble_loads_as_its_member_0(tiny_run, tmp_path):
     """K > 1: MLflow loads member_0 alone (alignloop's load_reward_model loads them all)."""
     import mlflow
+
     from tasks.reward.reward_model import init_reward_model, save_reward_model
     backbone = tiny_run["ws"] / layout.policy(0)
     members = [init_reward_model(backbone, torch.Generator().manual_seed(i)) for i in range(2)]

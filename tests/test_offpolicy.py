@@ -1,6 +1,6 @@
-"""Off-policy estimators (tasks/functional/offpolicy.py): exact weights and ESS, the truncated IS estimator
-against a brute-force expectation, and the seeds' demonstration — a Gaussian policy N(mu, 1)
-trained from a fixed batch drawn at mu = 0 towards a reward peaked at 1.3."""
+"""Off-policy estimators (tasks/functional/offpolicy.py): exact weights and ESS, the truncated IS
+estimator against a brute-force expectation, and the seeds' demonstration — a Gaussian policy N(mu,
+1) trained from a fixed batch drawn at mu = 0 towards a reward peaked at 1.3."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,15 @@ import math
 import pytest
 import torch
 
-from tasks.functional.offpolicy import (effective_sample_size, fresh_enough, reuse_metrics, staleness,
-                                        truncated_is_estimate, truncated_is_surrogate, truncated_is_weights)
+from tasks.functional.offpolicy import (
+    effective_sample_size,
+    fresh_enough,
+    reuse_metrics,
+    staleness,
+    truncated_is_estimate,
+    truncated_is_surrogate,
+    truncated_is_weights,
+)
 
 TARGET = 1.3                       # the reward's optimum: r(y) = -(y - 1.3)^2
 

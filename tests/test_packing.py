@@ -9,12 +9,12 @@ import pytest
 import torch
 import transformers
 
-from tasks.models import lm
 from tasks.config.params import TinyModelParams
-from tasks.reward.reward_model import RewardEnsemble, member_pair_rewards, member_rewards
-from tasks.reward.features import EncodedPair
+from tasks.models import lm
 from tasks.models.tiny_model import build_tiny_model
 from tasks.policy.value_head import ValueHead, logprobs_and_values
+from tasks.reward.features import EncodedPair
+from tasks.reward.reward_model import RewardEnsemble, member_pair_rewards, member_rewards
 from test_sampling import Wrapped
 
 VOCAB = 300

@@ -7,13 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from tasks.judging.judges import judge_pair, judge_pairs, swapped
-from tasks.judging.judge_factory import make_judge
-from tasks.judging.labelling import judge_all, pairwise_groups, seeded_pairs
-from tasks.judging.pairwise import (JudgeStats, PairwiseLLMJudge, Reply, Template, load_template,
-                                    parse_verdict)
 from tasks.config.params import JudgeParams
 from tasks.data.records import Message, Prompt
+from tasks.judging.judge_factory import make_judge
+from tasks.judging.judges import judge_pair, judge_pairs, swapped
+from tasks.judging.labelling import judge_all, pairwise_groups, seeded_pairs
+from tasks.judging.pairwise import (
+    JudgeStats,
+    PairwiseLLMJudge,
+    Reply,
+    Template,
+    load_template,
+    parse_verdict,
+)
 from tasks.judging.verdict_cache import VerdictCache, cache_key
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,17 +18,33 @@ import transformers
 from safetensors.torch import load_file
 
 from conftest import run_stage, set_params
-from tasks.core import jsonl, layout
-from tasks.policy import value_head
-from tasks.runtime import stage
-from tasks.functional.losses import ppo_clip_loss, ppo_value_loss
 from tasks.config.params import PPOParams, ReuseParams
-from tasks.policy.ppo import (REPLAY_FILE, gae, make_experience, minibatch_loss, prompt_minibatches,
-                              shape_scores, token_rewards, train_ppo)
+from tasks.core import jsonl, layout
 from tasks.data.records import Message, Rollout
+from tasks.functional.losses import ppo_clip_loss, ppo_value_loss
+from tasks.policy import value_head
+from tasks.policy.ppo import (
+    REPLAY_FILE,
+    gae,
+    make_experience,
+    minibatch_loss,
+    prompt_minibatches,
+    shape_scores,
+    token_rewards,
+    train_ppo,
+)
+from tasks.runtime import stage
 from tasks.schemas.generation import GenerationParams
-from tasks.stages import (collect_offpolicy, judge, prepare_model, prompts, reference_samples,
-                          rollout, train_rm, update)
+from tasks.stages import (
+    collect_offpolicy,
+    judge,
+    prepare_model,
+    prompts,
+    reference_samples,
+    rollout,
+    train_rm,
+    update,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

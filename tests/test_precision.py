@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.models import lm
 from tasks.config.params import ParamsError, load_params
+from tasks.models import lm
 
 REPO = Path(__file__).resolve().parents[1]
 

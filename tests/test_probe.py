@@ -41,9 +41,9 @@ def test_mean_pooling_and_the_probe_head_learn_a_word_preference(tmp_path: Path)
     on frozen features so that held-out pairs with the same preference (token 7 good, token 9
     bad, anywhere in the response) are ranked right, with no gradient step on the backbone."""
     from tasks.config.params import TinyModelParams, TrainRMParams
+    from tasks.models.tiny_model import save_tiny
     from tasks.reward.probe import fit_probe_head
     from tasks.reward.reward_model import init_reward_model, pair_margins
-    from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     model = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
     before = {k: v.clone() for k, v in model.model.state_dict().items()}
@@ -73,11 +73,10 @@ def test_frozen_features_give_the_same_probe_and_metrics_as_rescoring(
     scoring the pairs again through the model (to float32 noise), and a response seen in many
     pairs goes through the backbone once."""
     from tasks.config.params import TinyModelParams, TrainRMParams
-    from tasks.reward.probe import fit_probe_head
-    from tasks.reward.features import FrozenFeatures
-    from tasks.reward.reward_model import ensemble_metrics, heads, init_reward_model, pair_margins
-    from tasks.reward.features import EncodedPair
     from tasks.models.tiny_model import save_tiny
+    from tasks.reward.features import EncodedPair, FrozenFeatures
+    from tasks.reward.probe import fit_probe_head
+    from tasks.reward.reward_model import ensemble_metrics, heads, init_reward_model, pair_margins
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     g = torch.Generator().manual_seed(5)
     pool = []                       # 12 prompts x 4 samples, every pair of them: 6 per prompt
@@ -178,10 +177,10 @@ def test_probe_head_reports_the_chosen_l2_and_falls_back_below_five_prompts(tmp_
     weights as fitting that L2 directly) and the metrics name it; with fewer training prompts
     than folds, `probe_l2` is used as written."""
     from tasks.config.params import TinyModelParams, TrainRMParams
+    from tasks.models.tiny_model import save_tiny
+    from tasks.reward.features import EncodedPair
     from tasks.reward.probe import fit_probe_head
     from tasks.reward.reward_model import init_reward_model
-    from tasks.reward.features import EncodedPair
-    from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     g = torch.Generator().manual_seed(4)
     pool = []
@@ -210,10 +209,10 @@ def test_features_at_every_depth_equal_a_truncated_models(tmp_path: Path, poolin
     """One forward pass through all blocks gives, for each depth d, exactly the features a
     model cut to d blocks computes (its final norm included)."""
     from tasks.config.params import TinyModelParams
+    from tasks.models.tiny_model import save_tiny
+    from tasks.reward.features import features
     from tasks.reward.probe import features_at_depths
     from tasks.reward.reward_model import init_reward_model
-    from tasks.reward.features import features
-    from tasks.models.tiny_model import save_tiny
     save_tiny(TinyModelParams(num_layers=4), 0, tmp_path)
     prompts, responses = [(21, 22, 23), (21, 22, 23), (30,)], [(40, 41), (42,), (50, 51, 52)]
     with torch.no_grad():
@@ -233,11 +232,10 @@ def test_the_probes_depth_is_chosen_by_cross_validation_and_kept(tmp_path: Path)
     models, chosen and rejected apart), so the losses and weights agree to float32 rounding,
     not bit for bit. A grid deeper than the backbone is one line."""
     from tasks.config.params import TinyModelParams, TrainRMParams
-    from tasks.reward.probe import PROBE_FOLDS, choose_depth, fit_probe_head, probe_cv
-    from tasks.reward.features import FrozenFeatures
-    from tasks.reward.reward_model import init_reward_model
-    from tasks.reward.features import depth
     from tasks.models.tiny_model import save_tiny
+    from tasks.reward.features import FrozenFeatures, depth
+    from tasks.reward.probe import PROBE_FOLDS, choose_depth, fit_probe_head, probe_cv
+    from tasks.reward.reward_model import init_reward_model
     save_tiny(TinyModelParams(num_layers=3), 0, tmp_path)
     train = _word_pairs(10, 4, torch.Generator().manual_seed(5))
     p = TrainRMParams(pooling="mean", head_init="probe", epochs=0, probe_l2_grid=(0.1, 1.0),

@@ -10,9 +10,9 @@ import yaml
 
 from conftest import TINY, run_cli
 from flows.workspace import sync_declaration
-from tasks.core import layout
 from tasks.config.params import ParamsError, load_params, to_dict
 from tasks.config.profiles import read_profile
+from tasks.core import layout
 
 
 def overlay(path: Path, text: str) -> Path:

@@ -10,13 +10,13 @@ import torch
 import yaml
 
 from conftest import ROOT, run_cli
+from tasks.config.params import JudgeParams, TinyModelParams
 from tasks.core import layout
-from tasks.models import lm, sampling
 from tasks.core.errors import InputError
+from tasks.data.records import Message
 from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import judge_all
-from tasks.config.params import JudgeParams, TinyModelParams
-from tasks.data.records import Message
+from tasks.models import lm, sampling
 from tasks.models.tiny_model import save_tiny
 
 TEXTS = ["Write a short review of Jaws (1975).", "Hi.", "What did you think of Heat?",
@@ -109,7 +109,7 @@ def test_distributed_profile_through_the_cli_writes_the_tiny_run_bytes(
             for k in keys:
                 assert got[k] == pytest.approx(want[k], abs=1e-5), (it, k)
         assert (ws / layout.policy(it) / "model.safetensors").is_file()
-    outs = lambda root: {o["path"] for e in yaml.safe_load(  # noqa: E731
+    outs = lambda root: {o["path"] for e in yaml.safe_load(
         (root / "dvc.lock").read_text())["stages"].values() for o in e["outs"]}
     assert outs(ws) == outs(tiny)                 # one set of outputs, the same ones
     log = subprocess.run(["git", "log", "--format=%s"], cwd=ws, capture_output=True,

@@ -204,10 +204,9 @@ def test_stores_are_private_and_nothing_in_the_workspace_is_world_writable(tiny_
 
 def test_truncated_model_weights_fail_in_one_line_and_leave_the_workspace_byte_identical(
         ws, tmp_path, tmp_path_factory):
-    from test_own_model import save_own_model
-
     from tasks.models.tiny_model import CACHE_ENV
     from tasks.models.tiny_model import tokenizer as smollm2_tokenizer
+    from test_own_model import save_own_model
     tok = smollm2_tokenizer(Path(os.environ.get(CACHE_ENV)
                                  or tmp_path_factory.getbasetemp() / "tokenizer-cache"))
     src = tmp_path / "my-llama"

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, copy_workspace, ran_stages, run_cli, set_params
-from tasks.evaluation import report, report_data
 from tasks.core import atomic, jsonl, layout
+from tasks.evaluation import report, report_data
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -185,7 +185,7 @@ def test_markdown_table_for_the_prefect_artifact(workspace, tmp_path):
 
 
 def test_a_failing_publication_is_a_warning_not_a_failed_run(workspace, monkeypatch):
-    from flows import pipeline          # imports Prefect, which sets up logging: then listen
+    from flows import pipeline  # imports Prefect, which sets up logging: then listen
 
     class Records(logging.Handler):
         def __init__(self) -> None:

@@ -15,13 +15,19 @@ import torch
 from torch import Tensor
 
 from tasks.core import layout
-from tasks.data import audit
-from tasks.runtime import stage
 from tasks.core.jsonl import DataError
-from tasks.functional.losses import bradley_terry_loss, bradley_terry_margin_loss
+from tasks.data import audit
 from tasks.data.records import Message, PreferencePair
-from tasks.reward.reward_model import (RewardEnsemble, ensemble_agreement, member_dirs, member_rewards,
-                                       reward_mean_std, rewards)
+from tasks.functional.losses import bradley_terry_loss, bradley_terry_margin_loss
+from tasks.reward.reward_model import (
+    RewardEnsemble,
+    ensemble_agreement,
+    member_dirs,
+    member_rewards,
+    reward_mean_std,
+    rewards,
+)
+from tasks.runtime import stage
 
 
 def t(*xs: float) -> Tensor:
@@ -216,8 +222,8 @@ def test_single_model_queue_is_only_the_random_sample() -> None:
 def test_truncated_backbone_keeps_the_first_blocks(tmp_path: Path) -> None:
     """num_layers = 1 keeps block 0 of the initial model (same weights) and drops the rest."""
     from tasks.config.params import TinyModelParams
-    from tasks.reward.reward_model import init_reward_model
     from tasks.models.tiny_model import save_tiny
+    from tasks.reward.reward_model import init_reward_model
     tiny_model_dir = tmp_path / "m"
     tiny_model_dir.mkdir()
     save_tiny(TinyModelParams(num_layers=3), 0, tiny_model_dir)
@@ -236,9 +242,9 @@ def test_shared_responses_are_scored_once_with_the_same_rewards(tmp_path: Path) 
     """member_pair_rewards scores each distinct (prompt, response) once; the rewards equal
     scoring every pair's two sides separately, and gradients reach the model."""
     from tasks.config.params import TinyModelParams
-    from tasks.reward.reward_model import init_reward_model, member_pair_rewards
-    from tasks.reward.features import EncodedPair
     from tasks.models.tiny_model import save_tiny
+    from tasks.reward.features import EncodedPair
+    from tasks.reward.reward_model import init_reward_model, member_pair_rewards
     save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
     model = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
     x, y = (1, 2, 3), (7, 8)
@@ -257,8 +263,8 @@ def test_shared_responses_are_scored_once_with_the_same_rewards(tmp_path: Path) 
 
 
 def test_prompt_batches_keep_a_prompts_pairs_together() -> None:
-    from tasks.reward.reward_model import prompt_batches
     from tasks.reward.features import EncodedPair
+    from tasks.reward.reward_model import prompt_batches
     data = [EncodedPair((p,), (i,), (i + 100,)) for p in range(5) for i in range(3)]
     batches = prompt_batches(data, 6, torch.Generator().manual_seed(1))
     flat = [e for bt in batches for e in bt]

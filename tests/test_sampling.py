@@ -10,9 +10,9 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from tasks.models import fast_llama, lm, sampling
 from tasks.config.params import TinyModelParams
 from tasks.data.records import Message
+from tasks.models import fast_llama, lm, sampling
 from tasks.models.sampling import Sample, sample
 from tasks.models.tiny_model import CACHE_ENV, build_tiny_model, special_ids
 from tasks.models.tiny_model import tokenizer as smollm2_tokenizer

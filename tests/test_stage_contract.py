@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, copy_workspace
-from tasks.core import layout
 from tasks.config.params import load_params
+from tasks.core import layout
 from tasks.runtime.stage import Contract, Declared, UndeclaredParam
 
 

@@ -17,18 +17,25 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import set_params as set_workspace_params
-
 from flows.shipped import PARAMS_DATA
+from tasks.config.params import load_params
 from tasks.core import jsonl, layout
+from tasks.data.records import PreferencePair, parse_pair, parse_rollout
+from tasks.judging.judges import LexiconJudge
 from tasks.models import lm
 from tasks.reward import reward_model
 from tasks.runtime import stage
-from tasks.judging.judges import LexiconJudge
-from tasks.config.params import load_params
-from tasks.data.records import PreferencePair, parse_pair, parse_rollout
-from tasks.stages import (collect_offpolicy, evaluate, judge, prepare_model, prompts,
-                          reference_samples, rollout, train_rm, update)
-
+from tasks.stages import (
+    collect_offpolicy,
+    evaluate,
+    judge,
+    prepare_model,
+    prompts,
+    reference_samples,
+    rollout,
+    train_rm,
+    update,
+)
 from test_probe import near_zero_share
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tasks.config.params import TinyModelParams
 from tasks.core import layout
 from tasks.models import gguf_convert, lm, tiny_model
-from tasks.config.params import TinyModelParams
 
 # SmolLM2's ids, read with transformers straight from the packaged GGUF
 JAWS = "Write a short review of Jaws (1975)."

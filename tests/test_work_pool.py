@@ -59,7 +59,7 @@ def test_work_pool_without_a_server_fails_in_one_line(tmp_path):
 
 
 @pytest.mark.slow      # a whole extra iteration, run by a worker: minutes
-def test_a_worker_runs_the_deployed_tick_and_commits_the_iteration(ws, tmp_path):
+def test_a_worker_runs_the_deployed_tick_and_commits_the_iteration(ws, tmp_path):  # noqa: F811
     """The user's path: `server start`, `schedule --work-pool` (a cron that will not fire
     here), `prefect worker start --pool`, one run of the deployment: the worker's flow run
     commits iteration 3 and registers its policy, under the deployment's one slot."""

@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tasks.config.profiles import SAFE_LOADER, ParamsError, Profile, Where, parse_text, read_profile  # noqa: F401  (the loader's, re-exported)
 from tasks.core import layout
-from tasks.config.profiles import SAFE_LOADER, ParamsError  # noqa: F401  (the loader's, re-exported)
-from tasks.config.profiles import Profile, Where, parse_text, read_profile
+
 # the schema, one module per section (tasks/schemas/), re-exported here for the flow, the tests
 # and the benchmarks, which load whole profiles. Modules in tasks/ import a class from its own
 # schema module: a stage's source deps hold the schemas of the sections it declares only.
-from tasks.schemas.evaluate import (BestOfNParams, EvaluateParams, GoldParams,  # noqa: F401
-                                    MonitorParams)
+from tasks.schemas.evaluate import BestOfNParams, EvaluateParams, GoldParams, MonitorParams  # noqa: F401
 from tasks.schemas.gate import GateParams  # noqa: F401
 from tasks.schemas.generation import GenerationParams  # noqa: F401
 from tasks.schemas.judge import JudgeParams  # noqa: F401
@@ -33,8 +32,7 @@ from tasks.schemas.prompts import PromptParams  # noqa: F401
 from tasks.schemas.rollout import RolloutParams  # noqa: F401
 from tasks.schemas.targets import TargetParams  # noqa: F401
 from tasks.schemas.train_rm import TrainRMParams  # noqa: F401
-from tasks.schemas.update import (DPOParams, KLBudgetParams, PPOParams,  # noqa: F401
-                                  ReuseParams, UpdateParams)
+from tasks.schemas.update import DPOParams, KLBudgetParams, PPOParams, ReuseParams, UpdateParams  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -215,7 +213,8 @@ def _check_ranges(p: Params, b: _Builder) -> None:
         b.fail(("rollout", "samples_per_prompt"), "need at least 2 samples to form a pair")
     if 2 * p.judge.pairs_per_prompt > p.rollout.samples_per_prompt:
         b.fail(("judge", "pairs_per_prompt"), f"{p.judge.pairs_per_prompt} disjoint pairs need "
-               f"{2 * p.judge.pairs_per_prompt} samples, rollout has {p.rollout.samples_per_prompt}")
+               f"{2 * p.judge.pairs_per_prompt} samples, rollout has "
+               f"{p.rollout.samples_per_prompt}")
     if not 0.0 < p.train_rm.heldout_fraction < 1.0:
         b.fail(("train_rm", "heldout_fraction"), "must be in (0, 1)")
     _check_dpo_and_rm(p, b)
@@ -260,7 +259,7 @@ def _check_sizes(p: Params, b: _Builder) -> None:
 
 def _check_device(p: Params, b: _Builder) -> None:
     if p.device == "cuda":
-        import torch        # only here: loading a cpu or auto profile imports no torch
+        import torch  # only here: loading a cpu or auto profile imports no torch
         if not torch.cuda.is_available():
             b.fail(("device",), "cuda requested, but torch sees no CUDA device "
                    "(torch.cuda.is_available() is False); use device: auto or cpu")

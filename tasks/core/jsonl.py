@@ -24,7 +24,8 @@ def read(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{n}: not valid UTF-8 (byte {e.start} of the line)") from None
+                raise DataError(f"{path}:{n}: not valid UTF-8 (byte {e.start} of the "
+                                "line)") from None
             if not line.strip():
                 continue
             try:

@@ -157,7 +157,7 @@ def _parquet_rows(path: Path, label: str) -> Iterator[Row]:
     import pyarrow.parquet as pq
     try:
         table = pq.read_table(path)
-    except Exception as e:          # pyarrow raises several types for a bad file
+    except Exception as e:          # noqa: BLE001 (pyarrow raises several types for a bad file)
         raise DataError(f"{label}: not a readable Parquet file ({e})") from None
     for n, rec in enumerate(table.to_pylist(), start=1):
         yield _record(rec, f"{label} (row {n})")
@@ -167,7 +167,7 @@ def _dataset_rows(path: Path, splits: str, label: str) -> Iterator[Row]:
     import datasets
     try:
         ds = datasets.load_from_disk(str(path))
-    except Exception as e:          # datasets raises several types for a bad directory
+    except Exception as e:          # noqa: BLE001 (datasets raises several types for a bad directory)
         raise DataError(f"{label}: not a saved HF datasets directory ({e})") from None
     if isinstance(ds, datasets.DatasetDict):
         names = choose_splits(list(ds), splits, label)

@@ -10,8 +10,9 @@ optimise against it. It asks three questions of each response to "review movie X
 - fluency: the reference model's mean per-token NLL of the response, at most `max_nll`
   (also calibrated there: most of the reference's own samples pass);
 - review: is it a review at all, not a letter, an assistant's reply, a request for the reader's
-  opinion or a thank-you note (tasks/evaluation/genre.py: a classifier on the same embeddings, fitted on
-  hand-written sentences, calibrated on hand-labelled samples: `benchmarks/calibrate_genre.py`).
+  opinion or a thank-you note (tasks/evaluation/genre.py: a classifier on the same embeddings,
+  fitted on hand-written sentences, calibrated on hand-labelled samples:
+  `benchmarks/calibrate_genre.py`).
 
 The rule (pairwise, policy vs reference on the same prompt): a response is *valid* when it is
 on-topic, fluent and a review. Exactly one valid: it wins. Neither: tie. Both: the higher AFINN
@@ -30,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tasks.runtime.device import Device
 from tasks.evaluation.genre import RegisterClassifier
 from tasks.judging.judges import Verdict
+from tasks.runtime.device import Device
 from tasks.schemas.evaluate import GoldParams
 
 

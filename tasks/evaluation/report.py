@@ -23,8 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core import atomic, jsonl, layout
-from tasks.evaluation.report_data import (DIVERGENCE_EPS, GOLD, JUDGE, Row, judge_gold_divergence,
-                                          load_rows, read_json, value)
+from tasks.evaluation.report_data import (
+    DIVERGENCE_EPS,
+    GOLD,
+    JUDGE,
+    Row,
+    judge_gold_divergence,
+    load_rows,
+    read_json,
+    value,
+)
 
 HTML_NAME = "report.html"
 N_SAMPLES = 8                    # sample outputs shown: the first prompts of the last iteration
@@ -268,7 +276,7 @@ def render_html(root: Path, rows: Sequence[Row], suspects: Sequence[int],
 def build_report(workspace: Path, out_dir: Path, p: Any = None) -> Path:
     """Write report.html and its PNG plots into `out_dir` (replaced as a whole, atomically);
     returns the HTML's path. `p`: the workspace's params, for the page's header."""
-    from tasks.evaluation.report_plots import render_plots    # matplotlib: only when a page is built
+    from tasks.evaluation.report_plots import render_plots  # matplotlib: only when a page is built
     root = Path(workspace)
     rows, suspects = _rows_with_suspects(root)
     plots = render_plots(rows, suspects) if rows else {}

@@ -1,6 +1,6 @@
-"""The report's plots as PNG bytes (tasks/evaluation/report.py lays them out on the page): win rates,
-reward vs KL, RM accuracy, on-topic rate, length and fluency per iteration, with 95% intervals
-where the stages measured them. matplotlib's object API only (no pyplot: no global figure
+"""The report's plots as PNG bytes (tasks/evaluation/report.py lays them out on the page): win
+rates, reward vs KL, RM accuracy, on-topic rate, length and fluency per iteration, with 95%
+intervals where the stages measured them. matplotlib's object API only (no pyplot: no global figure
 state in the flow), imported when a plot is drawn.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ PLOTS: tuple[tuple[str, str, str, tuple[Series, ...]], ...] = (
 
 def _axes(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure       # no pyplot: no global figure state in the flow
+    from matplotlib.figure import Figure  # no pyplot: no global figure state in the flow
     fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
@@ -112,7 +112,7 @@ def _reward_vs_kl(rows: Sequence[Row]) -> Any | None:
     if not drawn:
         return None
     targets = [t for r in rows if (t := r.get("update/kl_target")) is not None and t == t]
-    if targets:                                       # the update's KL budget (tasks/policy/kl_budget.py)
+    if targets:                       # the update's KL budget (tasks/policy/kl_budget.py)
         ax.axvline(max(targets), color="tab:red", lw=0.8, ls="--", label="KL budget (update)")
     ax.axhline(0.5, color="grey", lw=0.8, ls=":")
     ax.axvline(0.0, color="grey", lw=0.8, ls=":")     # a true KL is never below this

@@ -1,5 +1,6 @@
 """L2-regularised logistic regression: the gold review check's sentence classifier
-(tasks/evaluation/genre.py) and the reward model's probe head (tasks/reward/reward_model.py) are fitted with it."""
+(tasks/evaluation/genre.py) and the reward model's probe head (tasks/reward/reward_model.py) are
+fitted with it."""
 from __future__ import annotations
 
 import torch

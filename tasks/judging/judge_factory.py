@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tasks.judging.judges import JUDGES, PAIRWISE_KINDS, PointwiseJudge
 from tasks.judging.pairwise import PairwiseLLMJudge, cache_path, load_template
-from tasks.schemas.judge import JudgeParams
 from tasks.judging.verdict_cache import VerdictCache
+from tasks.schemas.judge import JudgeParams
 
 
 def make_pairwise_judge(p: JudgeParams, root: Path, device: object = "cpu") -> PairwiseLLMJudge:
@@ -22,8 +22,8 @@ def make_pairwise_judge(p: JudgeParams, root: Path, device: object = "cpu") -> P
                               p.timeout_s, p.max_retries, p.backoff_s)
         batch = max(16, 4 * p.max_concurrency)
     elif p.kind == "llm":
-        from tasks.models import lm
         from tasks.judging.judge_llm import LocalLMBackend
+        from tasks.models import lm
         model_dir = (root / Path(p.model).expanduser()).resolve()
         lm.check_model_dir(model_dir)
         backend = LocalLMBackend(  # type: ignore[assignment]

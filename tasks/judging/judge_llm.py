@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from tasks.models import lm
-from tasks.runtime.device import Device
 from tasks.judging.judges import Verdict
 from tasks.judging.pairwise import JudgeStats, Reply, parse_verdict
+from tasks.models import lm
+from tasks.runtime.device import Device
 
 WORDS: tuple[Verdict, ...] = ("A", "B", "tie")
 

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from tasks.models import lm
-from tasks.runtime.device import Device
-from tasks.models.lm import ModelError
-from tasks.judging.judges import Verdict, verdict_from_scores
 from tasks.data.records import Prompt
+from tasks.judging.judges import Verdict, verdict_from_scores
+from tasks.models import lm
+from tasks.models.lm import ModelError
 from tasks.reward.reward_model import STATS_FILE, load_reward_model, member_dirs, reward_mean_std
+from tasks.runtime.device import Device
 
 
 def rm_md5(path: Path) -> str:

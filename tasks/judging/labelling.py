@@ -22,11 +22,19 @@ from pathlib import Path
 import torch
 
 from tasks.data import audit
-from tasks.judging.judges import (LexiconJudge, PairwiseJudge, PointwiseJudge, Verdict,
-                                  is_pointwise, judge_pair, judge_pairs, position_flipped,
-                                  verdict_rates)
-from tasks.judging.judge_factory import make_judge
 from tasks.data.records import PreferencePair, Prompt, Rollout, Sampled
+from tasks.judging.judge_factory import make_judge
+from tasks.judging.judges import (
+    LexiconJudge,
+    PairwiseJudge,
+    PointwiseJudge,
+    Verdict,
+    is_pointwise,
+    judge_pair,
+    judge_pairs,
+    position_flipped,
+    verdict_rates,
+)
 from tasks.schemas.judge import JudgeParams
 
 # (prompt, response texts, meta for its pairs[, each response's sampled tokens])
@@ -90,7 +98,7 @@ def margin_pairs(judge: PointwiseJudge, prompt: Prompt, responses: Sequence[str]
 
 def union(first: Sequence[PreferencePair], more: Sequence[PreferencePair]) -> list[PreferencePair]:
     """`first`, then the pairs of `more` whose (prompt, chosen, rejected) it lacks."""
-    key = lambda p: (p.prompt, p.chosen, p.rejected)  # noqa: E731
+    key = lambda p: (p.prompt, p.chosen, p.rejected)
     seen = {key(p) for p in first}
     return list(first) + [p for p in more if key(p) not in seen]
 
@@ -255,7 +263,7 @@ def judge_all(judge: PairwiseJudge, groups: Sequence[Group], source: str, jp: Ju
     if not is_pointwise(judge):
         return pairwise_groups(judge, groups, source, jp)
     if jp.workers > 1 and root is not None:
-        from tasks.runtime import ray_pool        # only here: nothing imports Ray otherwise
+        from tasks.runtime import ray_pool  # only here: nothing imports Ray otherwise
         args = (jp, root, source, torch.get_num_threads())
         parts = ray_pool.map_shards(judge_shard, args, groups, jp.workers)
         return collect_groups([r for part in parts for r in part])

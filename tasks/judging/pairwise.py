@@ -1,13 +1,13 @@
 """Pairwise AI judges (`judge.kind: llm | http`): a versioned template, a strict parser, a
 verdict cache, and the counters every judge report needs.
 
-A pairwise judge renders (prompt, first, second) through a template file from params/judges/,
-asks a backend (a local causal LM, or an OpenAI-compatible server) and parses the reply into
-"A" | "B" | "tie" | "invalid"; the caller shows both orders (tasks/judging/judges.py: `judge_pairs`).
-Its identity is model + template md5 + decoding: recorded in every pair's meta and keying the
-persistent verdict cache, so a killed stage resumes and a rerun pays nothing. A reply that
-never came (timeouts and server errors after the retries) is `invalid`, counted, and not
-cached: the next run asks again. A pairwise judge has no pointwise score.
+A pairwise judge renders (prompt, first, second) through a template file from params/judges/, asks a
+backend (a local causal LM, or an OpenAI-compatible server) and parses the reply into "A" | "B" |
+"tie" | "invalid"; the caller shows both orders (tasks/judging/judges.py: `judge_pairs`). Its
+identity is model + template md5 + decoding: recorded in every pair's meta and keying the persistent
+verdict cache, so a killed stage resumes and a rerun pays nothing. A reply that never came (timeouts
+and server errors after the retries) is `invalid`, counted, and not cached: the next run asks again.
+A pairwise judge has no pointwise score.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from typing import Protocol
 
 from tasks.core import layout
 from tasks.core.errors import InputError
-from tasks.judging.judges import Verdict
 from tasks.data.records import Prompt
+from tasks.judging.judges import Verdict
 from tasks.judging.verdict_cache import VerdictCache, cache_key
 
 CRASH_ENV = "ALIGNLOOP_JUDGE_CRASH_AFTER"   # tests only: SIGKILL after N cached batches
@@ -112,7 +112,7 @@ class JudgeStats:
     completion_tokens: int = 0
     seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    _last_error: str = field(default="", repr=False, compare=False)
+    last_error: str = field(default="", repr=False, compare=False)
 
     def add(self, **counts: float) -> None:
         with self._lock:
@@ -126,7 +126,7 @@ class JudgeStats:
         if self.cache_misses and self.failed == self.cache_misses:
             raise JudgeUnavailable(f"{where}: the judge answered none of {self.cache_misses} "
                                    f"comparisons ({self.requests} requests, {self.timeouts} "
-                                   f"timed out; last: {self._last_error or 'no reply'})")
+                                   f"timed out; last: {self.last_error or 'no reply'})")
 
     def summary(self) -> str:
         return (f"{self.comparisons} comparisons, {self.cache_hits} from the cache, "
@@ -181,7 +181,7 @@ class PairwiseLLMJudge:
                            failed=sum(not r.answered for r in replies))
             errors = [r.text for r in replies if not r.answered]
             if errors:
-                self.stats._last_error = errors[-1]
+                self.stats.last_error = errors[-1]
             if self.cache is not None:
                 self.cache.put_many([(keys[i], r.verdict, r.text)
                                      for i, r in zip(chunk, replies) if r.answered])
@@ -198,4 +198,5 @@ class JudgeUnavailable(InputError):
 
 
 def cache_path(root: Path, identity: str) -> Path:
-    return root / layout.JUDGE_CACHE_DIR / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.sqlite"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:20]
+    return root / layout.JUDGE_CACHE_DIR / f"{digest}.sqlite"

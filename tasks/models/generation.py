@@ -15,8 +15,8 @@ import torch
 import transformers
 
 from tasks.core import jsonl, layout
-from tasks.models import lm, sampling
 from tasks.data.records import Prompt, Rollout, parse_prompt
+from tasks.models import lm, sampling
 from tasks.schemas.generation import GenerationParams
 
 
@@ -68,8 +68,8 @@ def select_rows(samples: Sequence[Rollout], subjects: Sequence[str],
 
 def select_responses(policy: Any, ref: Any, tok: Any, root: Path, p: Any, it: int,
                      rng: Any) -> list[dict[str, Any]]:
-    """Policy `it`'s responses to the select prompts (tasks/evaluation/headtohead.py) with what the gold
-    evaluator reads of each: prompt id, subject, text, mean NLL under the reference `ref`."""
+    """Policy `it`'s responses to the select prompts (tasks/evaluation/headtohead.py) with what the
+    gold evaluator reads of each: prompt id, subject, text, mean NLL under the reference `ref`."""
     path = str(root / layout.PROMPTS_SELECT)
     prompts = load_prompts(path)
     if not prompts:

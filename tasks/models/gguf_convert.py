@@ -50,7 +50,8 @@ def find_packaged_gguf(package: str = DEFAULT_PACKAGE, filename: str | None = No
     found = sorted(p for loc in locations for p in Path(loc).glob("*.gguf"))
     if len(found) != 1:
         raise FileNotFoundError(
-            f"expected exactly one .gguf file in package {package!r}, found {[p.name for p in found]}; "
+            f"expected exactly one .gguf file in package {package!r}, found "
+            f"{[p.name for p in found]}; "
             f"pass filename= (reinstall with: {PIP_HINT})"
         )
     return found[0]

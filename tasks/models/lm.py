@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tasks.runtime.device import Device, device_of
 from tasks.core.errors import InputError
 from tasks.data.records import Prompt, prompt_to_record
+from tasks.runtime.device import Device, device_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

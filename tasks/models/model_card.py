@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData  # transformers imports it anyway
-from ruamel.yaml import YAML                          # DVC's own YAML loader: same values
+from ruamel.yaml import YAML  # DVC's own YAML loader: same values
 
+from tasks.config.params import Params, prev_of
 from tasks.core import layout
 from tasks.models import lm
-from tasks.config.params import Params, prev_of
 
 CARD_FILE = layout.MODEL_CARD
 LINEAGE_URI = {"policy": "models:/alignloop-policy",

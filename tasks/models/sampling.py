@@ -4,11 +4,11 @@ The log-prob stored for each token is that of the distribution it was actually d
 (temperature and top-p applied), i.e. the behaviour policy's probability: exactly what PPO's
 ratio pi_theta / pi_old and any later importance weighting need.
 
-Plain fp32 Llama models go through `tasks.models.fast_llama` (static KV cache, shared-prefix prefill);
-any other model through its own transformers forward with a cache. Both feed the same exact
-sampler: an inverse-CDF draw at one uniform per row and step, all taken from the passed
-generator before a batch starts, so that a row's sample depends only on its prompt and its
-uniforms. That lets a batch be split into one shard per torch thread, sampled side by side with
+Plain fp32 Llama models go through `tasks.models.fast_llama` (static KV cache, shared-prefix
+prefill); any other model through its own transformers forward with a cache. Both feed the same
+exact sampler: an inverse-CDF draw at one uniform per row and step, all taken from the passed
+generator before a batch starts, so that a row's sample depends only on its prompt and its uniforms.
+That lets a batch be split into one shard per torch thread, sampled side by side with
 single-threaded ops (data parallelism instead of intra-op parallelism).
 """
 from __future__ import annotations
@@ -336,7 +336,7 @@ def sample_on_workers(policy_dir: Path, prompts: Sequence[Sequence[int]], worker
     """`sample` of the model in policy_dir on `workers` Ray actors (tasks.runtime.ray_pool), each
     sampling whole shards of `plan`: the shards this process would sample on its own threads,
     so the same samples bit for bit, in prompt order."""
-    from tasks.runtime import ray_pool        # only here: nothing imports Ray otherwise
+    from tasks.runtime import ray_pool  # only here: nothing imports Ray otherwise
     shards = plan(prompts, batch_size=batch_size, max_new_tokens=max_new_tokens,
                   generator=generator, threads=torch.get_num_threads())
     init = {"policy_dir": str(policy_dir), "pad_id": pad_id, "eos_id": eos_id,

@@ -1,4 +1,5 @@
-"""Direct Preference Optimisation on preference pairs: the training loop around tasks/functional/losses.py.
+"""Direct Preference Optimisation on preference pairs: the training loop around
+tasks/functional/losses.py.
 
 The loss is `update.dpo.loss`: sigmoid (DPO), ipo (on per-token mean log-ratios) or cdpo
 (label-smoothed DPO), plus with `sft_weight` w > 0 an SFT anchor: w times the per-token NLL
@@ -18,14 +19,14 @@ import torch
 from torch import Tensor
 
 from tasks.core import progress
+from tasks.data.records import Rollout
+from tasks.functional.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES, dpo_implicit_rewards
 from tasks.models import lm
+from tasks.policy.kl_budget import KLGuard, Snapshot
+from tasks.reward.features import EncodedPair
+from tasks.reward.reward_model import RewardModel, reward_mean_std
 from tasks.runtime.device import device_of
 from tasks.runtime.distributed import SINGLE, Group, record_losses
-from tasks.policy.kl_budget import KLGuard, Snapshot
-from tasks.functional.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES, dpo_implicit_rewards
-from tasks.data.records import Rollout
-from tasks.reward.reward_model import RewardModel, reward_mean_std
-from tasks.reward.features import EncodedPair
 from tasks.schemas.update import DPOParams
 
 

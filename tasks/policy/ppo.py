@@ -17,14 +17,14 @@ import torch
 from torch import Tensor
 
 from tasks.core import layout, progress
-from tasks.functional import offpolicy
-from tasks.models import lm
-from tasks.runtime.distributed import SINGLE, Group, record_losses
 from tasks.core.errors import InputError
-from tasks.functional.losses import kl_k1, kl_k3, ppo_clip_loss, ppo_value_loss, whiten
 from tasks.data.records import Rollout
-from tasks.schemas.update import PPOParams
+from tasks.functional import offpolicy
+from tasks.functional.losses import kl_k1, kl_k3, ppo_clip_loss, ppo_value_loss, whiten
+from tasks.models import lm
 from tasks.policy.value_head import ValueHead, logprobs_and_values
+from tasks.runtime.distributed import SINGLE, Group, record_losses
+from tasks.schemas.update import PPOParams
 
 REPLAY_FILE = layout.REPLAY_ROLLOUTS
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k3": kl_k3}

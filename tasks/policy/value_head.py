@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from tasks.core import layout
+from tasks.core.errors import InputError
 from tasks.models import lm
 from tasks.runtime.device import Device, device_of
-from tasks.core.errors import InputError
 
 VALUE_HEAD_FILE = layout.VALUE_HEAD
 

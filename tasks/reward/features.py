@@ -59,7 +59,8 @@ def pool_states(hidden: Tensor, pk: lm.Packed, pooling: str) -> Tensor:
     mask = mask.to(hidden.dtype)[..., None]
     total = (hidden[pk.rows[:, None], at] * mask).sum(1)                    # (B, H)
     empty = mask.sum(1) == 0
-    return torch.where(empty, hidden[pk.rows, pk.last_positions()], total / mask.sum(1).clamp(min=1))
+    return torch.where(empty, hidden[pk.rows, pk.last_positions()],
+                       total / mask.sum(1).clamp(min=1))
 
 
 Key = tuple[tuple[int, ...], tuple[int, ...]]      # (prompt ids, response ids)

@@ -15,12 +15,11 @@ import torch
 import transformers
 from torch import Tensor
 
-from tasks.models import lm
-from tasks.runtime.device import device_of
 from tasks.core.jsonl import DataError
 from tasks.functional.logistic import fit_logistic
-from tasks.reward.features import (EncodedPair, FrozenFeatures, Key, depth, pool_states,
-                                   truncate)
+from tasks.models import lm
+from tasks.reward.features import EncodedPair, FrozenFeatures, Key, depth, pool_states, truncate
+from tasks.runtime.device import device_of
 from tasks.schemas.train_rm import TrainRMParams
 
 PROBE_FOLDS = 5                 # cross-validation folds of `probe_l2_grid`
@@ -37,8 +36,8 @@ def features_at_depths(model: transformers.PreTrainedModel, prompts: Sequence[Se
     states = backbone(input_ids=pk.ids, attention_mask=lm.attention_mask(model, pk.attention),
                       position_ids=pk.positions, output_hidden_states=True).hidden_states
     last = len(states) - 1                      # states[0]: embeddings; states[last]: normed
-    return torch.stack([pool_states(states[d] if d == last else backbone.norm(states[d]), pk, pooling)
-                        for d in depths], dim=1)
+    return torch.stack([pool_states(states[d] if d == last else backbone.norm(states[d]), pk,
+                                    pooling) for d in depths], dim=1)
 
 
 def _probe_fit(diff: Tensor, l2: float) -> Tensor:

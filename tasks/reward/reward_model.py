@@ -27,12 +27,12 @@ import transformers
 from torch import Tensor
 
 from tasks.core import layout, progress
+from tasks.data.records import PreferencePair, Prompt
+from tasks.functional.losses import bradley_terry_margin_loss
 from tasks.models import lm
 from tasks.reward.features import EncodedPair, FrozenFeatures, features, truncate
 from tasks.runtime.device import Device, device_of
 from tasks.runtime.distributed import SINGLE, Group, record_losses
-from tasks.functional.losses import bradley_terry_margin_loss
-from tasks.data.records import PreferencePair, Prompt
 from tasks.schemas.train_rm import TrainRMParams
 
 STATS_FILE = layout.RM_STATS

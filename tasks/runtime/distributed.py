@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tasks.runtime.device import Device
 from tasks.core.errors import InputError
+from tasks.runtime.device import Device
 from tasks.runtime.stage import THREADS_ENV
 
 MARK_ENV = "ALIGNLOOP_DDP"                 # set by `relaunch`: this process is one of its ranks

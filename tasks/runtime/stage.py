@@ -29,9 +29,9 @@ if os.environ.get("ALIGNLOOP_CLI_PID") not in (None, str(os.getpid())):
     import signal as _signal
     _signal.signal(_signal.SIGINT, lambda *_: os._exit(128 + _signal.SIGINT))
 
+from tasks.config.params import Params, load_params, prev_of  # noqa: E402,F401 (prev_of: for stages)
 from tasks.core import atomic, layout  # noqa: E402
 from tasks.core.errors import InputError  # noqa: E402
-from tasks.config.params import Params, load_params, prev_of  # noqa: E402,F401 (prev_of: for stages)
 
 if TYPE_CHECKING:                   # imported where a stage uses it: not by every stage
     import torch
@@ -115,8 +115,8 @@ class StageArgs:
     params: Params                   # a `Declared` view: the contract's keys only
     root: Path
     it: int
-    device: Any = None    # params.device resolved (tasks/runtime/device.py); the CPU for a stage that
-                          # uses torch without declaring it; None for one without torch
+    device: Any = None    # params.device resolved (tasks/runtime/device.py); the CPU for a stage
+                          # that uses torch without declaring it; None for one without torch
 
     @property
     def prev(self) -> int:

@@ -14,6 +14,7 @@ class PromptParams:
                                     #   iteration)
     n_heldout: int = 16             # prompts about other subjects, only for evaluation
     n_select: int = 0               # prompts about subjects in neither set, only for promotion
-                                    #   decisions (candidate vs champion, tasks/evaluation/headtohead.py):
+                                    #   decisions (candidate vs champion,
+                                    # tasks/evaluation/headtohead.py):
                                     #   the subjects left after train and held-out, each with
                                     #   several templates when there are fewer; 0 = none

@@ -28,8 +28,9 @@ class DPOParams:
 
 @dataclass(frozen=True)
 class KLBudgetParams:
-    """KL(policy || initial model) per response, kept while the update trains (tasks/policy/kl_budget.py:
-    measured every check_every steps, training stopped at the last state within the target)."""
+    """KL(policy || initial model) per response, kept while the update trains
+    (tasks/policy/kl_budget.py: measured every check_every steps, training stopped at the last state
+    within the target)."""
     total: float = 0.0              # never more than this (0 = no budget); under gate.max_kl, so
                                     #   no candidate is refused for its KL
     per_iteration: float = 0.0      # at most this much more than the policy the iteration starts

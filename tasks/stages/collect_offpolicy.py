@@ -12,19 +12,20 @@ from __future__ import annotations
 
 from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
+# isort: split
+
 from pathlib import Path
 
+from tasks.config.params import Params
 from tasks.core import jsonl, layout
-from tasks.models import lm
-from tasks.runtime.device import Device
-from tasks.models.generation import load_prompts, sample_rollouts
 from tasks.core.jsonl import DataError
+from tasks.data.pair_import import read_pairs
+from tasks.data.records import PreferencePair
 from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import judge_all, rollout_groups
-from tasks.data.pair_import import read_pairs
-from tasks.config.params import Params
-from tasks.data.records import PreferencePair
-
+from tasks.models import lm
+from tasks.models.generation import load_prompts, sample_rollouts
+from tasks.runtime.device import Device
 
 CONTRACT = stage.Contract(
     "collect_offpolicy",

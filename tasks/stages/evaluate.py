@@ -8,13 +8,15 @@ baseline (the reference's N samples reranked by this iteration's RM, analytic KL
 log N - (N-1)/N); and the reward-hacking monitors. One metrics JSON plus the paired samples.
 
 And the candidate against the champion it starts from (`prev`) on the select prompts
-(tasks/evaluation/headtohead.py), by gold and by the judge, with the over-optimisation flag (a judge gain
-gold does not see): what the gate's promotion decision reads, kept apart from the held-out
+(tasks/evaluation/headtohead.py), by gold and by the judge, with the over-optimisation flag (a judge
+gain gold does not see): what the gate's promotion decision reads, kept apart from the held-out
 figures above, which no decision reads.
 """
 from __future__ import annotations
 
 from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
+
+# isort: split
 
 import math
 from collections.abc import Sequence
@@ -25,23 +27,30 @@ from typing import Any
 
 import torch
 
+from tasks.config.params import Params
 from tasks.core import jsonl, layout
+from tasks.core.jsonl import DataError
+from tasks.data.records import Prompt, Rollout, parse_rollout, prompt_to_record
 from tasks.evaluation import headtohead
+from tasks.evaluation.gold import GoldEvaluator, GoldScore, gold_verdict
+from tasks.evaluation.winrate import win_rate
+from tasks.judging.judge_factory import make_judge
+from tasks.judging.judges import (
+    BUILD_KEYS,
+    PairwiseJudge,
+    PointwiseJudge,
+    Verdict,
+    is_pointwise,
+    judge_pair,
+    judge_pairs,
+    position_flipped,
+)
 from tasks.models import lm
 from tasks.models.generation import load_prompts, sample_rollouts, select_responses
-from tasks.evaluation.gold import GoldEvaluator, GoldScore, gold_verdict
-from tasks.core.jsonl import DataError
-from tasks.judging.judges import (BUILD_KEYS, PairwiseJudge, PointwiseJudge, Verdict, is_pointwise,
-                                  judge_pair, judge_pairs, position_flipped)
-from tasks.judging.judge_factory import make_judge
 from tasks.models.lm import mean_nll
-from tasks.config.params import Params
-from tasks.data.records import Prompt, Rollout, parse_rollout, prompt_to_record
 from tasks.reward.reward_model import load_reward_model, reward_mean_std
 from tasks.schemas.evaluate import MonitorParams
 from tasks.schemas.generation import GenerationParams
-from tasks.evaluation.winrate import win_rate
-
 
 CONTRACT = stage.Contract(
     "evaluate",
@@ -113,8 +122,10 @@ def compare(judge: PointwiseJudge, pol: Sequence[Rollout], ref: Sequence[Rollout
         return compare_pairwise(judge, pol, ref, n_boot, seed)
     verdicts = [judge_pair(judge, a.prompt, a.text, b.text) for a, b in zip(pol, ref)]
     wr = win_rate(verdicts, n_boot, seed)
-    s_pol = [x for x in judge.score([s.prompt for s in pol], [s.text for s in pol]) if x is not None]
-    s_ref = [x for x in judge.score([s.prompt for s in ref], [s.text for s in ref]) if x is not None]
+    s_pol = [x for x in judge.score([s.prompt for s in pol], [s.text for s in pol])
+             if x is not None]
+    s_ref = [x for x in judge.score([s.prompt for s in ref], [s.text for s in ref])
+             if x is not None]
     metrics = {
         "eval/win_rate": wr["win_rate"], "eval/win_rate_ci_low": wr["ci_low"],
         "eval/win_rate_ci_high": wr["ci_high"], "eval/n": wr["n"],
@@ -171,7 +182,8 @@ def gold_compare(gold: GoldEvaluator, pol: Sequence[Rollout], refs: Sequence[Rol
                  subjects: Sequence[str], pol_nll: Sequence[float], ref_nll: Sequence[float],
                  n_boot: int, seed: int, prefix: str = "eval/gold_"
                  ) -> tuple[dict[str, float], list[Verdict], list[GoldScore], list[GoldScore]]:
-    """Gold win rate of the policy's responses over the reference's (tasks/evaluation/gold.py's rule)."""
+    """Gold win rate of the policy's responses over the reference's (tasks/evaluation/gold.py's
+    rule)."""
     g_pol = gold.score([s.text for s in pol], subjects, pol_nll)
     g_ref = gold.score([s.text for s in refs], subjects, ref_nll)
     verdicts = [gold_verdict(a, b) for a, b in zip(g_pol, g_ref)]
@@ -371,7 +383,7 @@ def against_champion(p: Params, root: Path, prev: int, select: Sequence[dict[str
         out.update(headtohead.compare(gold, gold_verdict, select, rows_of, p.evaluate.bootstrap,
                                       p.seed, prefix))
     prompt_of = dict(load_prompts(str(root / layout.PROMPTS_SELECT)))
-    side = lambda rows: [SimpleNamespace(prompt=prompt_of[r["prompt_id"]], text=r["text"])  # noqa: E731
+    side = lambda rows: [SimpleNamespace(prompt=prompt_of[r["prompt_id"]], text=r["text"])
                          for r in rows]
     judged, _ = compare(judge, side(select), side(champion), p.evaluate.bootstrap, p.seed)
     out.update({"eval/champion_judge_win_rate": judged["eval/win_rate"],

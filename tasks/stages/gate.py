@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
+# isort: split
+
 import json
 from typing import Any
 
 from tasks.core import atomic, layout
 from tasks.core.jsonl import DataError
 from tasks.schemas.gate import GateParams
-
 
 CONTRACT = stage.Contract(
     "gate", params=("gate",),

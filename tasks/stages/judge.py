@@ -1,20 +1,21 @@
 """Stage `judge`: the AI judge labels this iteration's rollouts (RLAIF).
 
-The judge's verdicts become DPO's pairs (best vs worst of each prompt's K samples) and the
-reward model's new pool pairs; how, in tasks/judging/labelling.py. The pool of the previous iteration
-is carried forward with the new pairs appended (off-policy cold start, on-policy iteration),
-and the judge's agreement with the person's audit labels is measured on it.
+The judge's verdicts become DPO's pairs (best vs worst of each prompt's K samples) and the reward
+model's new pool pairs; how, in tasks/judging/labelling.py. The pool of the previous iteration is
+carried forward with the new pairs appended (off-policy cold start, on-policy iteration), and the
+judge's agreement with the person's audit labels is measured on it.
 """
 from __future__ import annotations
 
 from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
+# isort: split
+
 from tasks.core import jsonl, layout
 from tasks.data import audit
+from tasks.data.records import parse_pair, parse_rollout
 from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import audit_agreement, judge_all, rollout_groups
-from tasks.data.records import parse_pair, parse_rollout
-
 
 CONTRACT = stage.Contract(
     "judge", params=("device", "judge"),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
+# isort: split
+
 import os
 import shutil
 import time
@@ -18,7 +20,6 @@ from pathlib import Path
 from tasks.core import atomic, layout
 from tasks.models import lm, mlflow_model, model_card
 from tasks.schemas.model import ModelParams
-
 
 CONTRACT = stage.Contract(
     "prepare_model", params=("seed", "model"),
@@ -50,12 +51,12 @@ def check_weights(src: Path, out_dir: Path) -> None:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
                     st.get_tensor(key)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (any failure to read is the finding)
             raise lm.ModelError(f"{src / f.name}: unreadable weights "
                                 f"({type(e).__name__}: {e})") from None
     try:
         lm.load_causal_lm(out_dir)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (any failure to load is the finding)
         raise lm.ModelError(f"{src}: not a loadable causal LM ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
 

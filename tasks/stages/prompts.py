@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
+# isort: split
+
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +19,6 @@ from typing import Any
 from tasks.core import jsonl, layout
 from tasks.core.jsonl import DataError
 from tasks.schemas.prompts import PromptParams
-
 
 CONTRACT = stage.Contract(
     "prompts", params=("seed", "prompts"),

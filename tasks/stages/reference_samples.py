@@ -1,18 +1,19 @@
 """Stage `reference_samples`: the reference policy's responses to the held-out prompts, sampled
 once and shared by every iteration's evaluation (same prompts, same draws: comparable rounds).
 
-With `evaluate.best_of_n.n` > 0 it also draws N more samples for the first
-`best_of_n.n_prompts` prompts: the Best-of-N baseline, reranked by each iteration's RM. Its
-responses to the select prompts are iteration 0's (tasks/evaluation/headtohead.py): what iteration 1's
-candidate meets head-to-head."""
+With `evaluate.best_of_n.n` > 0 it also draws N more samples for the first `best_of_n.n_prompts`
+prompts: the Best-of-N baseline, reranked by each iteration's RM. Its responses to the select
+prompts are iteration 0's (tasks/evaluation/headtohead.py): what iteration 1's candidate meets
+head-to-head."""
 from __future__ import annotations
 
 from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
+# isort: split
+
 from tasks.core import jsonl, layout
 from tasks.models import lm
 from tasks.models.generation import load_prompts, sample_rollouts, select_responses
-
 
 CONTRACT = stage.Contract(
     "reference_samples",

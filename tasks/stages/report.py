@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
+# isort: split
+
 from tasks.core import layout
 from tasks.evaluation import report
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
+# isort: split
+
 from collections.abc import Sequence
 
 from tasks.core import jsonl, layout
+from tasks.data.records import Rollout
 from tasks.models import lm
 from tasks.models.generation import load_prompts, sample_rollouts
-from tasks.data.records import Rollout
-
 
 CONTRACT = stage.Contract(
     "rollout", params=("device", "seed", "model.max_prompt_tokens", "rollout"),

@@ -10,28 +10,37 @@ from __future__ import annotations
 
 from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
+# isort: split
+
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import transformers
 
+from tasks.config.params import Params
 from tasks.core import atomic, jsonl, layout
+from tasks.core.jsonl import DataError
 from tasks.data import audit
+from tasks.data.records import PreferencePair, parse_pair
 from tasks.models import lm, mlflow_model, model_card
+from tasks.reward.features import EncodedPair, FrozenFeatures, depth
+from tasks.reward.probe import PROBE_FOLDS, choose_depth, fit_probe_head
+from tasks.reward.reward_model import (
+    RewardEnsemble,
+    encode_pairs,
+    ensemble_metrics,
+    heads,
+    heldout_split,
+    init_reward_model,
+    pair_margins,
+    save_reward_model,
+    save_stats,
+    train_reward,
+)
 from tasks.runtime import distributed
 from tasks.runtime.device import Device
 from tasks.runtime.distributed import SINGLE, Group
-from tasks.core.jsonl import DataError
-from tasks.config.params import Params
-from tasks.data.records import PreferencePair, parse_pair
-from tasks.reward.probe import PROBE_FOLDS, choose_depth, fit_probe_head
-from tasks.reward.features import FrozenFeatures
-from tasks.reward.reward_model import (RewardEnsemble, encode_pairs, ensemble_metrics, heads,
-                                       heldout_split, init_reward_model, pair_margins,
-                                       save_reward_model, save_stats, train_reward)
-from tasks.reward.features import EncodedPair, depth
-
 
 CONTRACT = stage.Contract(
     "train_rm", params=("device", "seed", "model.max_prompt_tokens", "train_rm"),
@@ -131,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     backbone = root / layout.policy(0)
     tok = lm.load_tokenizer(backbone)
     train, held = heldout_split(pairs, p.train_rm.heldout_fraction)
-    enc = lambda ps: encode_pairs(tok, ps, p.model.max_prompt_tokens, p.train_rm.max_length)  # noqa: E731
+    enc = lambda ps: encode_pairs(tok, ps, p.model.max_prompt_tokens, p.train_rm.max_length)
     enc_train, enc_held = enc(train), enc(held)
     curve: list[dict[str, float]] = []
     members, metrics, cache = train_members(backbone, enc_train, p, tok.pad_token_id, it, group,

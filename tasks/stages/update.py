@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
 
+# isort: split
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,19 +22,18 @@ from pathlib import Path
 import torch
 
 from tasks.config import conditions
+from tasks.config.params import Params
 from tasks.core import atomic, jsonl, layout
+from tasks.data.records import Rollout, parse_pair, parse_rollout
 from tasks.models import lm, mlflow_model, model_card
 from tasks.policy import value_head
+from tasks.policy.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
+from tasks.policy.kl_budget import KLGuard, guard_prompts
+from tasks.policy.ppo import REPLAY_FILE, train_ppo
+from tasks.reward.reward_model import encode_pairs, load_reward_model, load_stats, rewards
 from tasks.runtime import distributed
 from tasks.runtime.device import device_of
 from tasks.runtime.distributed import SINGLE, Group
-from tasks.policy.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
-from tasks.policy.kl_budget import KLGuard, guard_prompts
-from tasks.config.params import Params
-from tasks.policy.ppo import REPLAY_FILE, train_ppo
-from tasks.data.records import Rollout, parse_pair, parse_rollout
-from tasks.reward.reward_model import encode_pairs, load_reward_model, load_stats, rewards
-
 
 CONTRACT = stage.Contract(
     "update",
@@ -75,7 +76,7 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
     encodes the same pairs, then trains on its shard of each batch."""
     d, pad = p.update.dpo, tok.pad_token_id  # type: ignore[attr-defined]
     mpt, max_len = p.model.max_prompt_tokens, p.update.max_length
-    encode = lambda ps: encode_pairs(tok, ps, mpt, max_len)  # type: ignore[arg-type]  # noqa: E731
+    encode = lambda ps: encode_pairs(tok, ps, mpt, max_len)  # type: ignore[arg-type]
     metrics: dict[str, float] = {}
     if conditions.holds("update_reads_reward_model", p):   # best vs worst of K by this RM
         path = str(root / layout.rollouts(it))
@@ -99,7 +100,8 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
                      stage.generator(p.seed, 10, it))
     metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, d, pad, rng, weights, group,
                              curve, guard))
-    metrics.update({"update/bf16": float(lm.effective_precision(d.precision, device_of(policy)) == "bf16"),
+    bf16 = lm.effective_precision(d.precision, device_of(policy)) == "bf16"
+    metrics.update({"update/bf16": float(bf16),
                     "update/n_onpolicy_pairs": float(len(onpolicy)),
                     "update/n_offpolicy_pairs": float(len(offpolicy)),
                     "update/offpolicy_weight": d.offpolicy_weight})
@@ -108,8 +110,8 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
 
 def kl_guard(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
              prompts: list[tuple[int, ...]], rng: torch.Generator) -> KLGuard | None:
-    """The KL budget's guard (tasks/policy/kl_budget.py) on this iteration's on-policy prompts, against
-    the initial model (the DPO reference unless `update.reference: previous`); None when the
+    """The KL budget's guard (tasks/policy/kl_budget.py) on this iteration's on-policy prompts,
+    against the initial model (the DPO reference unless `update.reference: previous`); None when the
     profile sets no budget."""
     b = p.update.kl_budget
     if b.total <= 0:

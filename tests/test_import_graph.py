@@ -1,0 +1,174 @@
+"""The architecture as the imports draw it: no import circle in tasks/, flows/ or benchmarks/
+(function-level imports count; imports under `if TYPE_CHECKING:` never run and do not), and
+the rooms of tasks/ on floors: a room imports only rooms on lower floors, never one above or
+beside it."""
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("tasks", "flows", "benchmarks")
+
+# tasks/<room>/: the floor it stands on. A room may import rooms on lower floors only.
+FLOORS = {
+    "core": 0, "functional": 0, "schemas": 0,
+    "config": 1, "data": 1,
+    "runtime": 2,
+    "models": 3,
+    "reward": 4,
+    "policy": 5, "judging": 5,
+    "evaluation": 6,
+    "stages": 7,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
+            if "__pycache__" not in p.parts}
+
+
+def _runtime_nodes(tree: ast.AST):
+    """ast.walk, less the bodies of `if TYPE_CHECKING:` blocks."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                todo.extend(child.orelse)
+            else:
+                todo.append(child)
+
+
+def imports_of(source: str, known: set[str] | dict[str, Path]) -> set[str]:
+    """The project modules a source imports (any depth, any form), as dotted names; a package
+    imported for its modules (`from tasks.core import atomic`) counts as those modules."""
+    out: set[str] = set()
+    for node in _runtime_nodes(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] not in PACKAGES:
+                continue
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if sub in known else node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
+    return {m for m in out if m in known}
+
+
+@cache
+def graph() -> dict[str, frozenset[str]]:
+    mods = modules()
+    return {m: frozenset(imports_of(p.read_text(), mods) - {m}) for m, p in mods.items()}
+
+
+def cycles(edges: dict[str, frozenset[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_scanner_sees_every_import_form_and_skips_type_checking() -> None:
+    known = {"tasks.core.atomic", "tasks.core.layout", "tasks.models.lm", "flows.dag",
+             "benchmarks.common"}
+    src = ("from tasks.core import atomic, layout\n"
+           "def f():\n    from tasks.models.lm import load\n"
+           "import flows.dag\n"
+           "if TYPE_CHECKING:\n    from benchmarks import common\n")
+    assert imports_of(src, known) == {"tasks.core.atomic", "tasks.core.layout",
+                                      "tasks.models.lm", "flows.dag"}
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    edges = {"a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset({"a"}),
+             "d": frozenset({"a"})}
+    assert cycles(edges) == [["a", "b", "c"]]
+    assert cycles({"a": frozenset({"b"}), "b": frozenset()}) == []
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_circle(package: str) -> None:
+    found = [c for c in cycles(graph()) if c[0].split(".")[0] == package]
+    assert not found, f"import circles in {package}/: " + "; ".join(" <-> ".join(c)
+                                                                     for c in found)
+
+
+def test_tasks_has_at_most_15_entries_and_every_room_has_a_floor() -> None:
+    entries = [p for p in (ROOT / "tasks").iterdir() if p.name != "__pycache__"]
+    assert len(entries) <= 15, sorted(p.name for p in entries)
+    rooms = {p.name for p in entries if p.is_dir()}
+    assert rooms == set(FLOORS), f"rooms without a floor: {rooms - set(FLOORS)}; " \
+        f"floors without a room: {set(FLOORS) - rooms}"
+    assert not [p.name for p in entries if p.is_file() and p.name != "__init__.py"], \
+        "a module at tasks/'s top level belongs in a room"
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "tasks" and len(parts) > 2 else None
+
+
+def test_rooms_import_only_lower_floors() -> None:
+    wrong = []
+    for m, deps in graph().items():
+        room = _room(m)
+        if room is None:
+            continue
+        for d in deps:
+            other = _room(d)
+            if other is not None and other != room and FLOORS[other] >= FLOORS[room]:
+                wrong.append(f"{m} (floor {FLOORS[room]}) imports {d} (floor {FLOORS[other]})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_libraries_never_import_flows_or_prefect() -> None:
+    """tasks/ runs inside stage processes: it never imports the orchestration (flows/) or
+    Prefect."""
+    wrong = []
+    for m, p in modules().items():
+        if not m.startswith("tasks."):
+            continue
+        for node in _runtime_nodes(ast.parse(p.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            wrong += [f"{m}: {n}" for n in names if n.split(".")[0] in ("flows", "prefect")]
+    assert not wrong, wrong
