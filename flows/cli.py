@@ -7,12 +7,16 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flows import cli_workspace, import_pairs, shipped, signals, targets
 from flows import workspace as wsmod
 from flows.cli_views import cmd_dag, cmd_lineage, cmd_params, cmd_report, cmd_status, print_report
 from flows.run import RunFailed, quiet_prefect
 from flows.targets import SETUP_STAGES
+
+if TYPE_CHECKING:
+    from flows.record import IterationRecord
 from tasks.core import layout
 from tasks.core.errors import InputError
 
@@ -46,30 +50,30 @@ def cmd_rerun(args: argparse.Namespace) -> int:
 
 def _run_and_print(root: Path, params_file: Path | None, force: list[str]) -> int:
     from flows.run import run_loop
-    summaries, seconds = run_loop(root, params_file, force)
-    _print_summary(root, summaries, seconds)
+    records, seconds = run_loop(root, params_file, force)
+    _print_summary(root, records, seconds)
     return 0
 
 
-def _print_summary(root: Path, summaries: list[dict], seconds: float) -> None:
-    ran = [s["name"] for it in summaries for s in it["stages"] if s["outcome"] != "cached"]
-    total = sum(len(it["stages"]) for it in summaries)
-    print(f"done in {seconds:.1f} s: {len(ran)} of {total} stages "
+def _print_summary(root: Path, records: list[IterationRecord], seconds: float) -> None:
+    stages = [s for rec in records for s in rec.stages]
+    ran = [s.name for s in stages if s.outcome != "cached"]
+    print(f"done in {seconds:.1f} s: {len(ran)} of {len(stages)} stages "
           f"{'ran or were restored' if ran else 'ran; everything was cached'}")
-    for it in summaries:
-        if it.get("policy_version"):
-            print(f"  iteration {it['iteration']}: policy v{it['policy_version']}, "
-                  f"reward model v{it['reward_model_version']}, commit {it['git_commit'][:10]}")
+    for rec in records:
+        if rec.policy_version:
+            print(f"  iteration {rec.iteration}: policy v{rec.policy_version}, "
+                  f"reward model v{rec.reward_model_version}, commit {rec.git_commit[:10]}")
     print_report(root)
-    _print_targets(root, [s["name"] for it in summaries for s in it["stages"]],
-                   {s["name"] for it in summaries for s in it["stages"] if s["outcome"] == "ran"})
+    _print_targets(root, [s.name for s in stages], {s.name for s in stages if s.outcome == "ran"})
 
 
 def _print_targets(root: Path, stages: list[str], ran: set[str]) -> None:
     """The last iteration against the profile's efficacy bar (`targets:`), met or missed. The
     loop's minutes are each stage's recorded time for the outputs it holds (flows/targets.py),
     so a resumed or partly cached run still counts what the whole loop cost."""
-    result = targets.assess(root, stages)
+    from flows.dag import read_lock
+    result = targets.assess(root, stages, read_lock(root))
     if result is None:
         return
     print("\n".join(targets.lines(result)))

@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 from flows import crashpoints
 from flows.dag import parse_name
 from flows.tracking import entry_io
-from tasks.config.params import load_params, prev_of
+from tasks.config.params import Params, prev_of
 from tasks.core import layout
 
 POLICY_MODEL = "alignloop-policy"
@@ -107,12 +107,13 @@ def _source(client: MlflowClient, root: Path, out_path: str, run_id: str,
 
 
 def register_iteration(root: Path, iteration: int, lock: dict[str, Any], run_id: str,
-                       common: dict[str, str]) -> dict[str, str]:
-    """Register iteration k's reward model and policy; returns their version numbers."""
+                       common: dict[str, str], p: Params) -> dict[str, str]:
+    """Register iteration k's reward model and policy (the workspace's params `p` say what it
+    started from); returns their version numbers."""
     client = MlflowClient()
     rm = register(client, REWARD_MODEL, root, f"train_rm@{iteration}", lock, run_id, common)
     crashpoints.reach("rm_version", iteration)
-    prev = prev_of(load_params(root / layout.PARAMS_FILE), iteration)   # what it started from
+    prev = prev_of(p, iteration)                                        # what it started from
     parent = "initial" if prev == 0 else _version_of(client, lock, prev)
     pol = register(client, POLICY_MODEL, root, f"update@{iteration}", lock, run_id,
                    {**common, "parent_policy_version": parent,

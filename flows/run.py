@@ -15,9 +15,13 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flows import shipped, signals
 from flows import workspace as wsmod
+
+if TYPE_CHECKING:
+    from flows.record import IterationRecord
 from tasks.core.errors import InputError
 
 
@@ -101,7 +105,7 @@ def _prefect_api(ws: wsmod.Workspace, log: Path) -> object | None:
 
 
 def _flow(ws: wsmod.Workspace, force: list[str], server: object | None,
-          logs: dict[str, Path]) -> list[dict]:
+          logs: dict[str, Path]) -> list[IterationRecord]:
     # done while the server starts (PREFECT_API_URL is set already): the imports, the MLflow
     # store and the parse of the DAG take seconds of one core, the server's start the other's
     from flows.pipeline import alignloop, warm_up  # imports MLflow, which sets up its

@@ -124,23 +124,24 @@ def skip_if_busy(ws: Workspace, overlap: Overlap) -> bool:
 def _next_iteration(ws: Workspace, waited_s: float) -> dict[str, object]:
     """Append the next iteration to params.yaml and run the DAG; called under the lock."""
     from flows import pipeline  # MLflow, DVC: only for a tick that runs
+    from flows.messages import say
     started = time.time()
     head = git(ws.root, "rev-parse", "HEAD")
     path = ws.root / layout.PARAMS_FILE
     new, k = append_iteration(path.read_text(), champion_iteration(ws.root))
     path.write_text(new)
     try:
-        summaries = pipeline.alignloop(str(ws.root))
+        records = pipeline.alignloop(str(ws.root))
     except BaseException:
         _restore(ws, head, k)
         _log_tick(ws, {"iteration": k, "start": started, "end": time.time(),
                        "outcome": "failed"})
-        pipeline.say(f"tick: iteration {k} failed; workspace restored to {head[:10]}")
+        say(f"tick: iteration {k} failed; workspace restored to {head[:10]}")
         raise
     _log_tick(ws, {"iteration": k, "start": started, "end": time.time(), "outcome": "ran",
                    "waited_s": round(waited_s, 3)})
-    pipeline.say(f"tick: iteration {k} done")
-    return {"iteration": k, "outcome": "ran", "summaries": summaries}
+    say(f"tick: iteration {k} done")
+    return {"iteration": k, "outcome": "ran", "records": [r.as_dict() for r in records]}
 
 
 @flow(name="alignloop-tick", flow_run_name="tick-{workspace}")

@@ -132,11 +132,10 @@ def check(m: Mapping[str, float], p: TargetParams, minutes: Mapping[str, float] 
     return out
 
 
-def assess(root: Path, stages: Sequence[str]) -> dict[str, Any] | None:
+def assess(root: Path, stages: Sequence[str], lock: Mapping[str, Any]) -> dict[str, Any] | None:
     """The last iteration's metrics against the workspace's targets, and each iteration's
-    minutes from the recorded times of the loop stages among `stages`; None before any
-    iteration has metrics."""
-    from flows.dag import read_lock
+    minutes from the recorded times of the loop stages among `stages` (their entries in
+    dvc.lock, `lock`); None before any iteration has metrics."""
     from flows.workspace import Workspace
     from tasks.evaluation.report_data import with_intervals
     evaluated = [int(d.name[5:]) for d in (root / layout.METRICS_DIR).glob("iter_*")
@@ -150,7 +149,7 @@ def assess(root: Path, stages: Sequence[str]) -> dict[str, Any] | None:
         if path.is_file():
             metrics.update(json.loads(path.read_text()))
     loop = [n for n in stages if n.split("@")[0] not in SETUP_STAGES]
-    timed, untimed = recorded_seconds(root, loop, read_lock(root))
+    timed, untimed = recorded_seconds(root, loop, lock)
     minutes = iteration_minutes(timed) if loop and not untimed else None
     checks = check(with_intervals(metrics), Workspace(root).params().targets, minutes)
     return {"iteration": last, "met": sum(c.met for c in checks), "of": len(checks),

@@ -57,8 +57,8 @@ def test_training_stops_at_the_last_state_within_the_target_and_restores_it():
     policy, ref = _model(), _model()
     budget = KLBudgetParams(total=18.0, per_iteration=5.0, check_every=2)
     guard = Scripted([10.0, 12.0, 14.5, 15.5, 99.0], budget, policy)   # start 10: target 15
-    m = train_dpo(policy, ref, _pairs(16), DPOParams(lr=1e-2, epochs=3, batch_size=2), 0,
-                  torch.Generator().manual_seed(0), guard=guard)      # type: ignore[arg-type]
+    m = train_dpo(policy, ref, _pairs(16), p=DPOParams(lr=1e-2, epochs=3, batch_size=2), pad_id=0,
+                  rng=torch.Generator().manual_seed(0), guard=guard)      # type: ignore[arg-type]
     assert guard.target == 15.0
     assert m["update/steps"] == 6.0                 # checks at 2, 4 (within), 6 (past): stop
     assert m["update/kl_stopped"] == 1.0 and m["update/steps_kept"] == 4.0
@@ -72,8 +72,8 @@ def test_a_start_past_the_total_trains_nothing():
     policy, ref = _model(), _model()
     before = copy.deepcopy(policy.state_dict())
     guard = Scripted([19.0], KLBudgetParams(total=18.0, per_iteration=5.0), policy)
-    m = train_dpo(policy, ref, _pairs(8), DPOParams(lr=1e-2), 0,
-                  torch.Generator().manual_seed(0), guard=guard)      # type: ignore[arg-type]
+    m = train_dpo(policy, ref, _pairs(8), p=DPOParams(lr=1e-2), pad_id=0,
+                  rng=torch.Generator().manual_seed(0), guard=guard)      # type: ignore[arg-type]
     assert m["update/steps"] == 0.0 and m["update/kl_stopped"] == 1.0
     assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
 
@@ -81,8 +81,8 @@ def test_a_start_past_the_total_trains_nothing():
 def test_within_the_budget_every_step_is_kept():
     policy, ref = _model(), _model()
     guard = Scripted([0.0, 1.0, 2.0, 3.0], KLBudgetParams(total=18.0, check_every=3), policy)
-    m = train_dpo(policy, ref, _pairs(14), DPOParams(lr=1e-3, epochs=1, batch_size=2), 0,
-                  torch.Generator().manual_seed(0), guard=guard)      # type: ignore[arg-type]
+    m = train_dpo(policy, ref, _pairs(14), p=DPOParams(lr=1e-3, epochs=1, batch_size=2), pad_id=0,
+                  rng=torch.Generator().manual_seed(0), guard=guard)      # type: ignore[arg-type]
     assert m["update/steps"] == 7.0 and m["update/kl_stopped"] == 0.0
     assert [s for s, _ in guard.measured] == [0, 3, 6, 7]      # and once after the last step
     assert m["update/steps_kept"] == 7.0
@@ -98,8 +98,8 @@ def test_the_measurement_is_zero_at_the_reference_and_grows_as_the_policy_moves(
     guard = KLGuard(policy, ref, prompts, gen, KLBudgetParams(total=1e9), 2, 0,
                     torch.Generator().manual_seed(0))
     assert guard.measure() == 0.0
-    train_dpo(policy, ref, _pairs(16), DPOParams(lr=5e-2, epochs=4, batch_size=4), 0,
-              torch.Generator().manual_seed(0))
+    train_dpo(policy, ref, _pairs(16), p=DPOParams(lr=5e-2, epochs=4, batch_size=4), pad_id=0,
+              rng=torch.Generator().manual_seed(0))
     assert guard.measure() > 0.1
 
 

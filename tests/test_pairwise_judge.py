@@ -246,12 +246,12 @@ def test_templates_are_synced_into_a_workspace(tmp_path: Path) -> None:
 def test_registry_tags_name_the_template_md5_for_pairwise_judges_only() -> None:
     import hashlib
 
-    from flows.pipeline import judge_tags
     from tasks.config.params import load_params
-    assert judge_tags(load_params(ROOT / "params" / "tiny.yaml").judge, ROOT) == \
+    from tasks.judging.judge_factory import judge_identity
+    assert judge_identity(load_params(ROOT / "params" / "tiny.yaml").judge, ROOT) == \
         {"judge": "lexicon:vader-v1"}
     md5 = hashlib.md5((ROOT / "params/judges/pairwise_review.txt").read_bytes()).hexdigest()
-    assert judge_tags(load_params(ROOT / "params" / "tiny-http-judge.yaml").judge, ROOT) == \
+    assert judge_identity(load_params(ROOT / "params" / "tiny-http-judge.yaml").judge, ROOT) == \
         {"judge": "http:served", "judge_template": "params/judges/pairwise_review.txt",
          "judge_template_md5": md5, "judge_decoding": "greedy"}
 

@@ -250,14 +250,14 @@ def test_early_stop_on_approximate_kl(lm_pair: Any) -> None:
     rs = fake_rollouts(policy, 8, seed=2)
     scores = torch.linspace(-1, 1, 8)
     p = PPOParams(lr=0.05, epochs=5, minibatch_size=2, target_kl=1e-4)
-    m = train_ppo(policy, value_head.ValueHead(16), ref, rs, scores, p, 0,
-                  torch.Generator().manual_seed(0), it=1)
+    m = train_ppo(policy, value_head.ValueHead(16), ref, rs, scores, p=p, pad_id=0,
+                  rng=torch.Generator().manual_seed(0), it=1)
     assert m["update/early_stopped"] == 1.0
     assert 1 <= m["update/steps"] < 5 * 4                           # stopped before 20 steps
     assert m["update/epochs_run"] == math.floor(m["update/steps"] / 4) + 1
     off = train_ppo(ref, value_head.ValueHead(16), ref, fake_rollouts(ref, 8, seed=2), scores,
-                    dataclasses.replace(p, lr=1e-4, target_kl=0.0, epochs=2), 0,
-                    torch.Generator().manual_seed(0), it=1)
+                    p=dataclasses.replace(p, lr=1e-4, target_kl=0.0, epochs=2), pad_id=0,
+                    rng=torch.Generator().manual_seed(0), it=1)
     assert off["update/early_stopped"] == 0.0 and off["update/steps"] == 8
     assert off["update/epochs_run"] == 2
 
@@ -266,8 +266,8 @@ def test_no_eos_drop_removes_truncated_rollouts(lm_pair: Any) -> None:
     policy, ref = lm_pair
     rs = fake_rollouts(policy, 6, seed=3, finished=[True, False, True, True, False, True])
     p = PPOParams(no_eos="drop", epochs=1, minibatch_size=4)
-    m = train_ppo(policy, value_head.ValueHead(16), ref, rs, torch.zeros(6), p, 0,
-                  torch.Generator().manual_seed(0), it=1)
+    m = train_ppo(policy, value_head.ValueHead(16), ref, rs, torch.zeros(6), p=p, pad_id=0,
+                  rng=torch.Generator().manual_seed(0), it=1)
     assert m["update/n_rollouts"] == 4 and m["update/steps"] == 1
 
 
@@ -279,8 +279,8 @@ def test_reused_rollouts_are_weighted_and_logged(lm_pair: Any) -> None:
     stale = fake_rollouts(policy, 2, seed=6, it=0)                  # 2 iterations old: dropped
     reuse = ReuseParams(iterations_back=1, truncate=(0.0, 2.0), level="sequence", max_staleness=1)
     p = PPOParams(epochs=1, minibatch_size=4, reuse=reuse)
-    m = train_ppo(policy, value_head.ValueHead(16), ref, fresh, torch.zeros(4), p, 0,
-                  torch.Generator().manual_seed(0), it=2, reused=old + stale,
+    m = train_ppo(policy, value_head.ValueHead(16), ref, fresh, torch.zeros(4), p=p, pad_id=0,
+                  rng=torch.Generator().manual_seed(0), it=2, reused=old + stale,
                   reused_scores=torch.zeros(6))
     assert m["update/n_rollouts"] == 4 and m["update/n_reused"] == 4
     raw = [math.exp(0.3 * len(r.response_ids)) for r in old]        # lengths 2, 3, 4, 2

@@ -51,3 +51,19 @@ def make_judge(p: JudgeParams, root: Path | None = None,
         return RewardModelJudge((root / Path(p.model).expanduser()).resolve(), p.tie_margin,
                                 p.min_words, p.max_length, device=device)
     return JUDGES[p.kind](p)
+
+
+def judge_identity(p: JudgeParams, root: Path) -> dict[str, str]:
+    """The configured judge as registry tags, what names its verdicts: kind:version for the
+    lexicons; for pairwise judges kind:model (kind:served: the server's one model), the
+    template, its md5 and the decoding; for a reward model as judge its directory and the md5
+    of its weights. `root`: the workspace the judge's files are relative to."""
+    if p.kind == "reward_model":
+        from tasks.judging.judge_rm import rm_md5
+        model = (root / Path(p.model).expanduser()).resolve()
+        return {"judge": f"reward_model:{p.model}", "judge_model_md5": rm_md5(model)}
+    if p.kind not in PAIRWISE_KINDS:
+        return {"judge": f"{p.kind}:{p.version}"}
+    return {"judge": f"{p.kind}:{p.model or 'served'}", "judge_template": p.template,
+            "judge_template_md5": load_template(root, p.template).md5,
+            "judge_decoding": p.decoding}

@@ -112,7 +112,11 @@ class JudgeStats:
     completion_tokens: int = 0
     seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    last_error: str = field(default="", repr=False, compare=False)
+    _last_error: str = field(default="", repr=False, compare=False)
+
+    def note_error(self, text: str) -> None:
+        """The last failed request's message, for the error a judge that never answers raises."""
+        self._last_error = text
 
     def add(self, **counts: float) -> None:
         with self._lock:
@@ -126,7 +130,7 @@ class JudgeStats:
         if self.cache_misses and self.failed == self.cache_misses:
             raise JudgeUnavailable(f"{where}: the judge answered none of {self.cache_misses} "
                                    f"comparisons ({self.requests} requests, {self.timeouts} "
-                                   f"timed out; last: {self.last_error or 'no reply'})")
+                                   f"timed out; last: {self._last_error or 'no reply'})")
 
     def summary(self) -> str:
         return (f"{self.comparisons} comparisons, {self.cache_hits} from the cache, "
@@ -181,7 +185,7 @@ class PairwiseLLMJudge:
                            failed=sum(not r.answered for r in replies))
             errors = [r.text for r in replies if not r.answered]
             if errors:
-                self.stats.last_error = errors[-1]
+                self.stats.note_error(errors[-1])
             if self.cache is not None:
                 self.cache.put_many([(keys[i], r.verdict, r.text)
                                      for i, r in zip(chunk, replies) if r.answered])

@@ -21,6 +21,7 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData  # transformers imports it anyway
 from ruamel.yaml import YAML  # DVC's own YAML loader: same values
 
+import tasks
 from tasks.config.params import Params, prev_of
 from tasks.core import layout
 from tasks.models import lm
@@ -61,7 +62,7 @@ def _stage_decl(root: Path, stage: str, it: int) -> tuple[dict[str, Any], list[s
     loader = YAML(typ="safe")
     declared = root / "dvc.yaml"          # run by hand (tests): the project's, the same file
     if not declared.is_file():
-        declared = Path(__file__).resolve().parents[1] / "dvc.yaml"
+        declared = Path(tasks.__file__).resolve().parent.parent / "dvc.yaml"
     dvc = loader.load(declared.read_text())["stages"][stage]
     params = loader.load((root / layout.PARAMS_FILE).read_text())
     ctx = {"key": str(it)}

@@ -82,7 +82,7 @@ def _batch_terms(policy: torch.nn.Module, pairs: Sequence[EncodedPair], idx: Ten
     return per_pair, nll, r_c, r_r
 
 
-def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[EncodedPair],
+def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[EncodedPair], *,
               p: DPOParams, pad_id: int, rng: torch.Generator,
               weights: Tensor | None = None, group: Group = SINGLE,
               curve: list[dict[str, float]] | None = None,

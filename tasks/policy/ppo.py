@@ -223,7 +223,7 @@ def _global_stats(group: Group, local: dict[str, Tensor], n_local: float,
 
 
 def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
-              rollouts: Sequence[Rollout], scores: Tensor, p: PPOParams, pad_id: int,
+              rollouts: Sequence[Rollout], scores: Tensor, *, p: PPOParams, pad_id: int,
               rng: torch.Generator, it: int = 0, reused: Sequence[Rollout] = (),
               reused_scores: Tensor | None = None, group: Group = SINGLE,
               curve: list[dict[str, float]] | None = None) -> dict[str, float]:

@@ -24,13 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+import tasks
 from tasks.core.errors import InputError
 from tasks.runtime.device import Device
 from tasks.runtime.stage import THREADS_ENV
 
 MARK_ENV = "ALIGNLOOP_DDP"                 # set by `relaunch`: this process is one of its ranks
 LOSSES_ENV = "ALIGNLOOP_STEP_LOSSES"       # debug: rank 0 writes the per-step losses (JSON) here
-REPO = Path(__file__).resolve().parents[1]  # where `-m tasks.stages.<stage>` imports from
+REPO = Path(tasks.__file__).resolve().parent.parent   # where `-m tasks.stages.<stage>` imports from
 
 
 class LaunchError(InputError):

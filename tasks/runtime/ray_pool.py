@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import tasks
 from tasks.core.errors import InputError
 
 ADDRESS_ENV = "RAY_ADDRESS"
@@ -38,7 +39,7 @@ R = TypeVar("R")
 
 def _runtime_env() -> dict[str, Any]:
     """Workers import this process's `tasks` (the workspace's copy), offline like the stage."""
-    code_root = str(Path(__file__).resolve().parent.parent)
+    code_root = str(Path(tasks.__file__).resolve().parent.parent)   # holds the `tasks` package
     path = os.pathsep.join(p for p in (code_root, os.environ.get("PYTHONPATH", "")) if p)
     env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
     return {"env_vars": {**env, "PYTHONPATH": path}}

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
+from transformers import PreTrainedTokenizerBase as Tokenizer
 
 from tasks.config import conditions
 from tasks.config.params import Params
@@ -69,14 +71,14 @@ class UpdateResult:
     curve: tuple[dict[str, float], ...] = ()    # per optimiser step (training_curve.json)
 
 
-def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
+def run_dpo(policy: PreTrainedModel, ref: PreTrainedModel, tok: Tokenizer, p: Params, root: Path,
             it: int, rng: torch.Generator, group: Group = SINGLE) -> UpdateResult:
     """DPO on this iteration's on-policy pairs (picked by `pair_source`), plus `offpolicy_mix`
     of pairs from the previous pool at loss weight `offpolicy_weight`; every rank reads and
     encodes the same pairs, then trains on its shard of each batch."""
-    d, pad = p.update.dpo, tok.pad_token_id  # type: ignore[attr-defined]
+    d, pad = p.update.dpo, tok.pad_token_id
     mpt, max_len = p.model.max_prompt_tokens, p.update.max_length
-    encode = lambda ps: encode_pairs(tok, ps, mpt, max_len)  # type: ignore[arg-type]
+    encode = lambda ps: encode_pairs(tok, ps, mpt, max_len)
     metrics: dict[str, float] = {}
     if conditions.holds("update_reads_reward_model", p):   # best vs worst of K by this RM
         path = str(root / layout.rollouts(it))
@@ -98,8 +100,8 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
     curve: list[dict[str, float]] = []
     guard = kl_guard(policy, ref, tok, p, root, [x.prompt_ids for x in onpolicy],
                      stage.generator(p.seed, 10, it))
-    metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, d, pad, rng, weights, group,
-                             curve, guard))
+    metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, p=d, pad_id=pad, rng=rng,
+                             weights=weights, group=group, curve=curve, guard=guard))
     bf16 = lm.effective_precision(d.precision, device_of(policy)) == "bf16"
     metrics.update({"update/bf16": float(bf16),
                     "update/n_onpolicy_pairs": float(len(onpolicy)),
@@ -108,7 +110,7 @@ def run_dpo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
     return UpdateResult(metrics, curve=tuple(curve))
 
 
-def kl_guard(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
+def kl_guard(policy: PreTrainedModel, ref: PreTrainedModel, tok: Tokenizer, p: Params, root: Path,
              prompts: list[tuple[int, ...]], rng: torch.Generator) -> KLGuard | None:
     """The KL budget's guard (tasks/policy/kl_budget.py) on this iteration's on-policy prompts,
     against the initial model (the DPO reference unless `update.reference: previous`); None when the
@@ -119,7 +121,7 @@ def kl_guard(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Para
     initial = ref if p.update.reference == "initial" else \
         lm.load_causal_lm(root / layout.policy(0), device_of(policy))
     return KLGuard(policy, initial, guard_prompts(prompts, b.n_prompts), p.evaluate.generation,
-                   b, tok.eos_token_id, tok.pad_token_id, rng)  # type: ignore[attr-defined]
+                   b, tok.eos_token_id, tok.pad_token_id, rng)
 
 
 def _scores(rm: torch.nn.Module, stats: dict[str, float], rollouts: list[Rollout],
@@ -140,20 +142,20 @@ def _read_rollouts(path: Path) -> list[Rollout]:
     return [r for r in rollouts if r.response_ids]
 
 
-def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Params, root: Path,
+def run_ppo(policy: PreTrainedModel, ref: PreTrainedModel, tok: Tokenizer, p: Params, root: Path,
             it: int, rng: torch.Generator, group: Group = SINGLE) -> UpdateResult:
     """PPO on this iteration's rollouts; with reuse.iterations_back = 1 also on the previous
     iteration's, which update@{it-1} kept in its policy directory (a declared out of update@{it-1}
     and dep of update@{it}); the critic starts from update@{it-1}'s value head (value_reuse).
     On several ranks rank 0 scores the rollouts and shares the scores."""
-    q, pad = p.update.ppo, tok.pad_token_id  # type: ignore[attr-defined]
+    q, pad = p.update.ppo, tok.pad_token_id
     rollouts = _read_rollouts(root / layout.rollouts(it))
     prev_dir = root / layout.policy(stage.prev_of(p, it))
     reused = _read_rollouts(prev_dir / REPLAY_FILE) if q.reuse.iterations_back >= 1 else []
     rm_dir = root / layout.reward_model(it)
     device = device_of(policy)
     rm, stats = load_reward_model(rm_dir, device), load_stats(rm_dir)
-    head, loaded = value_head.load_or_init(prev_dir, policy.config.hidden_size,  # type: ignore[attr-defined]
+    head, loaded = value_head.load_or_init(prev_dir, policy.config.hidden_size,
                                            q.value_reuse, device)
 
     def scored(rs: list[Rollout]) -> torch.Tensor:     # rank 0 scores, the others receive
@@ -163,8 +165,9 @@ def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
                            device)
 
     curve: list[dict[str, float]] = []
-    metrics = train_ppo(policy, head, ref, rollouts, scored(rollouts), q, pad, rng, it, reused,
-                        scored(reused), group, curve)
+    metrics = train_ppo(policy, head, ref, rollouts, scored(rollouts), p=q, pad_id=pad, rng=rng,
+                        it=it, reused=reused, reused_scores=scored(reused), group=group,
+                        curve=curve)
     metrics["update/value_head_reused"] = float(loaded)
     writers: list[Writer] = [lambda d: value_head.save(head, d)]
     if q.reuse.iterations_back >= 1:          # keep this iteration's rollouts for update@{it+1}
@@ -175,13 +178,13 @@ def run_ppo(policy: torch.nn.Module, ref: torch.nn.Module, tok: object, p: Param
 ALGORITHMS: dict[str, Callable[..., UpdateResult]] = {"dpo": run_dpo, "ppo": run_ppo}
 
 
-def write_policy(policy: torch.nn.Module, tok: object, p: Params, root: Path, it: int,
+def write_policy(policy: PreTrainedModel, tok: Tokenizer, p: Params, root: Path, it: int,
                  result: UpdateResult) -> None:
     """The policy directory (atomically) and the metrics file: rank 0's outputs."""
     metrics = result.metrics
     with atomic.directory(root / layout.policy(it)) as tmp:
-        policy.save_pretrained(tmp)  # type: ignore[operator]
-        tok.save_pretrained(tmp)  # type: ignore[attr-defined]
+        policy.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
         for write in result.extra_files:      # e.g. PPO's value head
             write(tmp)
         if result.curve:
