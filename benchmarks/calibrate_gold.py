@@ -1,6 +1,6 @@
 """Calibrate the gold evaluator's thresholds on the reference model's own samples.
 
-    python benchmarks/calibrate_gold.py [--n 96] [--model DIR]
+    python -m benchmarks.calibrate_gold [--n 96] [--model DIR]
 
 Samples one response per held-out prompt from the initial model (SmolLM2-135M-Instruct, as in
 `reference_samples`), then prints, as JSON on the last line:

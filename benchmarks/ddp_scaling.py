@@ -13,7 +13,7 @@ Each point is the fastest of `--repeats` runs (timeit's convention: load from ot
 only ever adds). Every run uses the same ALIGNLOOP_THREADS (default: all cores), split over
 the ranks.
 
-Usage: python benchmarks/ddp_scaling.py [--processes 2] [--epochs 8] [--repeats 3]
+Usage: python -m benchmarks.ddp_scaling [--processes 2] [--epochs 8] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -29,12 +29,11 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from flows.workspace import DATA_DIRS  # noqa: E402
-from tasks.core import layout  # noqa: E402
+from flows.workspace import DATA_DIRS
+from tasks.core import layout
 from tasks.runtime import distributed, stage
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SETUP = ["prompts", "prepare_model", "collect_offpolicy", "reference_samples"]
 

@@ -30,10 +30,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tasks.core import heap
 
-from tasks.core import heap  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 KINDS = ("dpo", "rm", "ppo")
 SIZES = {"dpo": 48, "rm": 64, "ppo": 32}

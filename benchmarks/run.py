@@ -1,6 +1,6 @@
 """alignloop's performance figures, measured side by side in one run on this machine.
 
-    python benchmarks/run.py [--quick] [--only train,rollout,cached,scaling,vs_trl] [--model DIR]
+    python -m benchmarks.run [--quick] [--only train,rollout,cached,scaling,vs_trl] [--model DIR]
 
 Sections (each prints progress lines; the last line of stdout is one JSON object):
 - `peaks`: fp32 and bf16 matmul GFLOP/s at the stages' thread count (benchmarks/peaks.py),
@@ -48,10 +48,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks import isolation, report
 
-from benchmarks import isolation, report  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 CACHE = REPO / "benchmarks" / ".cache"
 SECTIONS = ("train", "rollout", "cached", "scaling", "vs_trl")
@@ -194,7 +193,7 @@ def run(a: argparse.Namespace, only: list[str], work: Path) -> int:
         vs_trl = section("vs_trl", lambda: measure_vs_trl(
             model_dir, kinds, n_pairs=16 if a.quick else 48, repeats=1 if a.quick else 3,
             log=log, precisions=("fp32", "bf16")), errors)
-    meta = {"command": " ".join(["python benchmarks/run.py", *a.argv]),
+    meta = {"command": " ".join(["python -m benchmarks.run", *a.argv]),
             "quick": a.quick, "sections": only, "seconds": round(time.perf_counter() - t0),
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "machine": platform.processor() or platform.machine(),

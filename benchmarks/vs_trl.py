@@ -1,6 +1,6 @@
 """Our DPO and reward-model updates against TRL's DPOTrainer and RewardTrainer, in one run.
 
-    python benchmarks/vs_trl.py [--model DIR] [--kinds dpo,rm,ppo] [--pairs 48] [--repeats 3]
+    python -m benchmarks.vs_trl [--model DIR] [--kinds dpo,rm,ppo] [--pairs 48] [--repeats 3]
                                 [--precisions fp32,bf16] [--heap stage|stock]
 
 TRL is a benchmark-only dependency (`pip install -e '.[bench]'`: trl==1.16.0); without it the
@@ -64,7 +64,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -74,19 +73,18 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import isolation  # noqa: E402
-from benchmarks.trl_side import trl_dpo, trl_rm  # noqa: E402
-from tasks.core import heap  # noqa: E402
+from benchmarks import isolation
+from benchmarks.trl_side import trl_dpo, trl_rm
+from tasks.core import heap
 from tasks.models import lm
-from tasks.runtime.distributed import LOSSES_ENV  # noqa: E402
-from tasks.config.params import DPOParams, Params, TrainRMParams, load_params  # noqa: E402
-from tasks.data.records import parse_prompt  # noqa: E402
-from tasks.reward.reward_model import prompt_batches  # noqa: E402
+from tasks.runtime.distributed import LOSSES_ENV
+from tasks.config.params import DPOParams, Params, TrainRMParams, load_params
+from tasks.data.records import parse_prompt
+from tasks.reward.reward_model import prompt_batches
 from tasks.reward.features import EncodedPair
-from tasks.stages.prompts import build_prompts, read_lines  # noqa: E402
+from tasks.stages.prompts import build_prompts, read_lines
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TRL_VERSION = "1.16.0"
 RESPONSE_TOKENS = 40

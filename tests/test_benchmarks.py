@@ -233,7 +233,7 @@ def test_rm_depth_reports_every_depth_and_picks_as_train_rm_would(tiny_run) -> N
     from tasks.reward.probe import choose_depth
     from tasks.reward.reward_model import encode_pairs, heldout_split, init_reward_model
     ws = tiny_run["ws"]
-    proc = subprocess.run([sys.executable, "benchmarks/rm_depth.py", "--workspace", str(ws),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rm_depth", "--workspace", str(ws),
                            "--depths", "1-2"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
