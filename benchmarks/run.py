@@ -49,38 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import isolation, report
+from benchmarks.common import ensure_model, log
 
 REPO = Path(__file__).resolve().parent.parent
 
-CACHE = REPO / "benchmarks" / ".cache"
 SECTIONS = ("train", "rollout", "cached", "scaling", "vs_trl")
 ROLLOUT_REPEATS = 3    # alternating sampler/generate passes: generate alone swung 120-164 tok/s
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def cache_dir() -> Path:
-    """benchmarks/.cache, ignored by git (it holds a 538 MB model and workspaces)."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    ignore = CACHE / ".gitignore"
-    if not ignore.exists():
-        ignore.write_text("*\n")
-    return CACHE
-
-
-def ensure_model(model: str | None) -> Path:
-    """The converted HF directory of the default model: --model, or converted into the cache."""
-    if model:
-        return Path(model).resolve()
-    out = cache_dir() / "smollm2-135m-instruct"
-    if not (out / "config.json").is_file():
-        from tasks.models.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
-        log(f"converting the packaged GGUF model to {out} (once) ...")
-        info = convert_gguf_to_hf(find_packaged_gguf(), out)
-        log(f"converted: {info['n_params']} parameters in {info['seconds']} s")
-    return out
 
 
 def section(name: str, fn: Callable[[], Any], errors: dict[str, str]) -> Any:

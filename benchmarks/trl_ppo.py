@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from benchmarks import isolation
+from benchmarks.common import build_pairs, cache_dir, ensure_model, log, review_responses
 from tasks.core import heap
 from tasks.models import lm
 from tasks.config.params import PPOParams, load_params
@@ -76,8 +77,7 @@ TRL_PAD = "<|endoftext|>"
 
 
 def trl_ppo_dir() -> Path:
-    """Where TRL 1.12 lives: benchmarks/.cache, which git ignores (benchmarks.run.cache_dir)."""
-    from benchmarks.run import cache_dir
+    """Where TRL 1.12 lives: benchmarks/.cache, which git ignores (common.cache_dir)."""
     return cache_dir() / f"trl-{TRL_PPO_VERSION}"
 
 
@@ -117,7 +117,6 @@ def build_rollouts(model_dir: Path, n_prompts: int, k: int, seed: int = 0) -> di
     sentences (RESPONSE_TOKENS ids, no EOS), their log-probs under the policy at `model_dir`
     (pi_old) and seeded standard-normal scores; the rollouts of one prompt are adjacent, as
     the stage's are."""
-    from benchmarks.vs_trl import build_pairs, review_responses
     params = load_params(ROOT / "params" / "default.yaml")
     tok = lm.load_tokenizer(model_dir)
     prompts = [e.prompt_ids for e in build_pairs(tok, params, n_prompts, seed)]
@@ -375,7 +374,6 @@ def main(argv: list[str] | None = None) -> int:
         return _side_main(a)
     if argv is None:
         isolation.restart_with_heap(a.heap)
-    from benchmarks.run import ensure_model, log
     out = measure_vs_trl_ppo(ensure_model(a.model), a.prompts, a.k, a.repeats, a.epochs, log=log)
     print(json.dumps(out, default=str), flush=True)
     return 0
