@@ -141,7 +141,7 @@ def ppo_params(epochs: int | None = None) -> PPOParams:
 
 def run_ours(policy_dir: Path, ref_dir: Path, data: dict[str, Any], p: PPOParams
              ) -> dict[str, Any]:
-    from benchmarks.train_bench import _frozen_ref
+    from benchmarks.train_bench import frozen_ref
     from tasks.policy.ppo import train_ppo
     from tasks.data.records import Rollout
     from tasks.schemas.generation import GenerationParams
@@ -151,7 +151,7 @@ def run_ours(policy_dir: Path, ref_dir: Path, data: dict[str, Any], p: PPOParams
                         GenerationParams(temperature=1.0))
                 for i, (pr, r, lp) in enumerate(zip(data["prompts"], data["responses"],
                                                     data["logprobs"]))]
-    policy, ref = lm.load_causal_lm(policy_dir), _frozen_ref(ref_dir)
+    policy, ref = lm.load_causal_lm(policy_dir), frozen_ref(ref_dir)
     head = ValueHead(policy.config.hidden_size)
     t0 = time.perf_counter()
     m = train_ppo(policy, head, ref, rollouts, torch.tensor(data["scores"]), p, pad,

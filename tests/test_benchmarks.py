@@ -109,13 +109,13 @@ def test_stage_peak_memory_is_the_childs_own() -> None:
     import sys
     import threading
 
-    from benchmarks.scaling import _watch_peak
+    from benchmarks.scaling import watch_peak
     ballast = bytearray(400 * 2**20)          # the parent is large; wait4 would report this
     ballast[:: 4096] = b"x" * len(ballast[:: 4096])
     child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(150 * 2**20); "
                               "b[::4096] = b'y' * len(b[::4096]); time.sleep(0.5)"])
     done, peak = threading.Event(), [0]
-    watcher = threading.Thread(target=_watch_peak, args=(child.pid, done, peak))
+    watcher = threading.Thread(target=watch_peak, args=(child.pid, done, peak))
     watcher.start()
     child.wait()
     done.set()
