@@ -42,8 +42,8 @@ def _run(module: str, root: Path, it: int = 0, env: dict[str, str] | None = None
     """Run one stage as DVC would; its wall seconds."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", f"tasks.{module}", "--root", str(root), "--it", str(it)],
-                   env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", f"tasks.stages.{module}", "--root", str(root),
+                    "--it", str(it)], env=env, check=True, stdout=subprocess.DEVNULL)
     return time.perf_counter() - t0
 
 
