@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from flows.workspace import DATA_DIRS
+from flows.shipped import PARAMS_DATA
 from tasks.core import layout
 from tasks.runtime import distributed, stage
 
@@ -50,7 +50,7 @@ def _run(module: str, root: Path, it: int = 0, env: dict[str, str] | None = None
 def build_workspace(root: Path) -> None:
     """The tiny profile's set-up and iteration 1 up to the judge: update@1's inputs."""
     (root / "params").mkdir(parents=True)
-    for name in DATA_DIRS:
+    for name in PARAMS_DATA:
         shutil.copytree(ROOT / "params" / name, root / "params" / name)
     shutil.copy(ROOT / "params" / "tiny.yaml", root / layout.PARAMS_FILE)
     (root / layout.IMPORT_DIR).mkdir(parents=True)
