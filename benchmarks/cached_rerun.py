@@ -4,7 +4,8 @@ A `tiny`-profile workspace (two iterations, 16 stage instances) is created with 
 against a standalone Prefect server started once, then `alignloop run --workspace WS` is
 repeated with nothing to do (the workspace's own params.yaml: nothing is synced from this
 checkout, so edits made meanwhile cannot turn a rerun into a real run). Each rerun runs under
-`python -X importtime benchmarks/timed_cli.py` and its wall time is split:
+`python -X importtime -m benchmarks.timed_cli` (from the checkout root) and its wall time is
+split:
 
 - `interpreter_s`: spawn until the first line of Python runs;
 - `imports_s`: the CLI's module-level imports (Prefect, DVC, MLflow; no torch);
@@ -36,7 +37,6 @@ from typing import Any
 from benchmarks.isolation import REPO, isolated_env
 
 TINY = REPO / "params" / "tiny.yaml"
-TIMED_CLI = REPO / "benchmarks" / "timed_cli.py"
 
 
 def _start_server(ws: Path, env: dict[str, str]) -> tuple[dict[str, Any], float]:
@@ -88,9 +88,9 @@ def timed_rerun(args: list[str], env: dict[str, str], work: Path,
     timings = work / "timings.json"
     extra = (["--profile", str(profile)] if profile else []) + (flags or [])
     t_spawn = time.time()
-    proc = subprocess.run([sys.executable, "-X", "importtime", str(TIMED_CLI), str(timings),
-                           *extra, *args], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "benchmarks.timed_cli",
+                           str(timings), *extra, *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
     t_exit = time.time()
     if proc.returncode != 0:
         raise RuntimeError(f"cached rerun exited {proc.returncode}\n{proc.stdout[-3000:]}\n"

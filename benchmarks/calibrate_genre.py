@@ -1,7 +1,7 @@
 """Calibrate and measure the gold evaluator's review check (tasks/evaluation/genre.py) on hand-labelled
 samples.
 
-    python benchmarks/calibrate_genre.py [--labels benchmarks/data/genre_labels.jsonl]
+    python -m benchmarks.calibrate_genre [--labels benchmarks/data/genre_labels.jsonl]
                                          [--params params/default.yaml]
 
 The labelled set holds reference and policy responses from default-profile runs, each labelled

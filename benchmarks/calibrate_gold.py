@@ -1,6 +1,6 @@
 """Calibrate the gold evaluator's thresholds on the reference model's own samples.
 
-    python benchmarks/calibrate_gold.py [--n 96] [--model DIR]
+    python -m benchmarks.calibrate_gold [--n 96] [--model DIR]
 
 Samples one response per held-out prompt from the initial model (SmolLM2-135M-Instruct, as in
 `reference_samples`), then prints, as JSON on the last line:
@@ -23,7 +23,7 @@ import torch
 from tasks.models import lm
 from tasks.models.generation import sample_rollouts
 from tasks.models.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
-from tasks.evaluation.gold import GoldEvaluator, mean_nll
+from tasks.evaluation.gold import GoldEvaluator
 from tasks.config.params import load_params
 from tasks.data.records import parse_prompt
 from tasks.stages.prompts import build_prompts, read_lines
@@ -74,9 +74,9 @@ def main() -> None:
                        for t in grid])
     best = float(grid[int(bal.argmax())])
     lp = [torch.tensor(r.logprobs) for r in rolls]
-    nll = torch.tensor(mean_nll(torch.nn.utils.rnn.pad_sequence(lp, batch_first=True),
-                                torch.nn.utils.rnn.pad_sequence(
-                                    [torch.ones_like(x) for x in lp], batch_first=True)))
+    nll = torch.tensor(lm.mean_nll(torch.nn.utils.rnn.pad_sequence(lp, batch_first=True),
+                                   torch.nn.utils.rnn.pad_sequence(
+                                       [torch.ones_like(x) for x in lp], batch_first=True)))
     t = p.evaluate.gold.on_topic_threshold
     out = {
         "n": len(texts),

@@ -13,7 +13,7 @@ Each point is the fastest of `--repeats` runs (timeit's convention: load from ot
 only ever adds). Every run uses the same ALIGNLOOP_THREADS (default: all cores), split over
 the ranks.
 
-Usage: python benchmarks/ddp_scaling.py [--processes 2] [--epochs 8] [--repeats 3]
+Usage: python -m benchmarks.ddp_scaling [--processes 2] [--epochs 8] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -29,12 +29,11 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from flows.workspace import DATA_DIRS  # noqa: E402
-from tasks.core import layout  # noqa: E402
+from flows.shipped import PARAMS_DATA
+from tasks.core import layout
 from tasks.runtime import distributed, stage
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SETUP = ["prompts", "prepare_model", "collect_offpolicy", "reference_samples"]
 
@@ -43,15 +42,15 @@ def _run(module: str, root: Path, it: int = 0, env: dict[str, str] | None = None
     """Run one stage as DVC would; its wall seconds."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", f"tasks.{module}", "--root", str(root), "--it", str(it)],
-                   env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", f"tasks.stages.{module}", "--root", str(root),
+                    "--it", str(it)], env=env, check=True, stdout=subprocess.DEVNULL)
     return time.perf_counter() - t0
 
 
 def build_workspace(root: Path) -> None:
     """The tiny profile's set-up and iteration 1 up to the judge: update@1's inputs."""
     (root / "params").mkdir(parents=True)
-    for name in DATA_DIRS:
+    for name in PARAMS_DATA:
         shutil.copytree(ROOT / "params" / name, root / "params" / name)
     shutil.copy(ROOT / "params" / "tiny.yaml", root / layout.PARAMS_FILE)
     (root / layout.IMPORT_DIR).mkdir(parents=True)

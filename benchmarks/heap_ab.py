@@ -10,7 +10,7 @@ each kind's fastest and median seconds per side, their ratio, and whether the pe
 are equal to the bit (they must be: the allocator moves no arithmetic).
 
 Inputs, at the default profile's settings (params/default.yaml): DPO `train_dpo` on 48 pairs
-(benchmarks/vs_trl.build_pairs), the profile's precision, batch and epochs (12 steps);
+(benchmarks/common.build_pairs), the profile's precision, batch and epochs (12 steps);
 RM `train_reward` on 64 pairs, 1 epoch, last-token read-out (vs_trl's RM settings);
 PPO `train_ppo` on 32 of the model's own rollouts (benchmarks/train_bench.sample_inputs),
 default-ppo's settings, 1 epoch.
@@ -30,10 +30,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tasks.core import heap
 
-from tasks.core import heap  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 KINDS = ("dpo", "rm", "ppo")
 SIZES = {"dpo": 48, "rm": 64, "ppo": 32}
@@ -44,6 +43,7 @@ def _train(kind: str, model_dir: Path) -> None:
     import torch
 
     from benchmarks import vs_trl
+    from benchmarks.common import build_pairs
     from tasks.models import lm
     from tasks.runtime.distributed import LOSSES_ENV
     from tasks.config.params import load_params
@@ -63,7 +63,7 @@ def _train(kind: str, model_dir: Path) -> None:
                                   tok.pad_token_id, torch.Generator().manual_seed(0), it=1)
     else:
         params = load_params(ROOT / "params/default.yaml")
-        pairs = vs_trl.build_pairs(tok, params, SIZES[kind])
+        pairs = build_pairs(tok, params, SIZES[kind])
         if kind == "dpo":
             from tasks.policy.dpo import train_dpo
             p = params.update.dpo
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --kinds: unknown {', '.join(unknown)} (known: {', '.join(KINDS)})",
               file=sys.stderr)
         return 2
-    from benchmarks.run import ensure_model
+    from benchmarks.common import ensure_model
     print(json.dumps(measure(ensure_model(a.model), kinds, a.repeats)))
     return 0
 

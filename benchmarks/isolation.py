@@ -47,10 +47,13 @@ HEAP_HELP = ("glibc's malloc settings for this process and the ones it starts, e
 def restart_with_heap(choice: str) -> None:
     """Run this program under `choice`'s malloc settings: glibc reads them only when a process
     starts, so when the environment does not hold them yet, exec this program again with them
-    (the same interpreter and arguments). On another C library: nothing."""
+    (the same interpreter and command line: `sys.orig_argv`, so that `python -m benchmarks.run
+    ...` runs again as a module, not as the script path `sys.argv[0]` names). On another C
+    library: nothing."""
     import sys
 
     from tasks.core import heap
     tunables = heap.TUNABLES if choice == "stage" else ""
     if heap.is_glibc() and (os.environ.get(heap.ENV) or "") != tunables:
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, heap.ENV: tunables})
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
+                  {**os.environ, heap.ENV: tunables})

@@ -1,7 +1,7 @@
 """How a pairwise LLM judge agrees with the lexicon judge and with gold, on a workspace's own
 evaluation pairs (the final policy vs the reference on held-out prompts).
 
-    python benchmarks/judge_agreement.py --workspace WS [--it 2] [--n 100]
+    python -m benchmarks.judge_agreement --workspace WS [--it 2] [--n 100]
         [--model models/iter_0/policy] [--decoding logprob|greedy]
 
 Reads `data/iter_<it>/eval_samples.jsonl` (each row: prompt, policy, reference and the

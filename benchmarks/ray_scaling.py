@@ -1,6 +1,6 @@
 """Rollout throughput on 1 process (no Ray) against 2 Ray workers, side by side.
 
-    python benchmarks/ray_scaling.py [--model DIR] [--n-prompts 48] [--k 4] ...
+    python -m benchmarks.ray_scaling [--model DIR] [--n-prompts 48] [--k 4] ...
 
 Both sides run the rollout stage's own call (`sample_rollouts`) on the same prompts (the first
 n_prompts train prompts, K samples each), settings and seed: once with `workers: 1` (this
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,15 +25,14 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))       # `python benchmarks/ray_scaling.py` from anywhere
-
-from benchmarks.rollout_bench import train_prompts  # noqa: E402
-from tasks.models import lm, sampling  # noqa: E402
+from benchmarks.rollout_bench import train_prompts
+from tasks.models import lm, sampling
 from tasks.runtime import ray_pool, stage
-from tasks.models.generation import sample_rollouts  # noqa: E402
-from tasks.config.params import GenerationParams, TinyModelParams, load_params  # noqa: E402
-from tasks.models.tiny_model import save_tiny  # noqa: E402
+from tasks.models.generation import sample_rollouts
+from tasks.config.params import GenerationParams, TinyModelParams, load_params
+from tasks.models.tiny_model import save_tiny
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def timed_rollouts(model_dir: Path, prompts: list, k: int, gen: GenerationParams,

@@ -2,7 +2,7 @@
 blocks' mean states read the judge's preference best, and what `num_layers_grid`'s
 cross-validation would pick among them.
 
-    python benchmarks/rm_depth.py --workspace WS [--it 2] [--depths 1-30 | 12,16,20,24]
+    python -m benchmarks.rm_depth --workspace WS [--it 2] [--depths 1-30 | 12,16,20,24]
 
 Reads `data/iter_<it>/pairs_pool.jsonl` (what `train_rm@<it>` trains on, audit verdicts not
 applied), splits it by prompt as `train_rm` does, computes every depth's features in one pass

@@ -1,7 +1,7 @@
 """How the reward model reads a response: last token vs mean of the response's states, probe
 vs fine-tuning, and how many backbone blocks, on one workspace's own judged rollouts.
 
-    python benchmarks/rm_probe.py --workspace WS [--it 1] [--blocks 6,12,30] [--finetune]
+    python -m benchmarks.rm_probe --workspace WS [--it 1] [--blocks 6,12,30] [--finetune]
 
 Builds the reward model's pairs from `data/iter_<it>/rollouts.jsonl` exactly as the judge stage
 does with the workspace's params (`judge.pool_pairs`, `pool_margin`), splits them by prompt as

@@ -1,6 +1,6 @@
 """Rollout sampling throughput: our sampler against plain `model.generate`, side by side.
 
-    python benchmarks/rollout_bench.py [--model DIR] [--n-prompts 48] [--k 4] ...
+    python -m benchmarks.rollout_bench [--model DIR] [--n-prompts 48] [--k 4] ...
 
 Every side samples the same batch in one process: K samples of each of n_prompts train prompts
 (chat-rendered as the rollout stage renders them, the K copies consecutive), batch_size rows

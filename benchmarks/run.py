@@ -1,6 +1,6 @@
 """alignloop's performance figures, measured side by side in one run on this machine.
 
-    python benchmarks/run.py [--quick] [--only train,rollout,cached,scaling,vs_trl] [--model DIR]
+    python -m benchmarks.run [--quick] [--only train,rollout,cached,scaling,vs_trl] [--model DIR]
 
 Sections (each prints progress lines; the last line of stdout is one JSON object):
 - `peaks`: fp32 and bf16 matmul GFLOP/s at the stages' thread count (benchmarks/peaks.py),
@@ -48,40 +48,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import isolation, report
+from benchmarks.common import ensure_model, log
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from benchmarks import isolation, report  # noqa: E402
-
-CACHE = REPO / "benchmarks" / ".cache"
 SECTIONS = ("train", "rollout", "cached", "scaling", "vs_trl")
 ROLLOUT_REPEATS = 3    # alternating sampler/generate passes: generate alone swung 120-164 tok/s
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def cache_dir() -> Path:
-    """benchmarks/.cache, ignored by git (it holds a 538 MB model and workspaces)."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    ignore = CACHE / ".gitignore"
-    if not ignore.exists():
-        ignore.write_text("*\n")
-    return CACHE
-
-
-def ensure_model(model: str | None) -> Path:
-    """The converted HF directory of the default model: --model, or converted into the cache."""
-    if model:
-        return Path(model).resolve()
-    out = cache_dir() / "smollm2-135m-instruct"
-    if not (out / "config.json").is_file():
-        from tasks.models.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
-        log(f"converting the packaged GGUF model to {out} (once) ...")
-        info = convert_gguf_to_hf(find_packaged_gguf(), out)
-        log(f"converted: {info['n_params']} parameters in {info['seconds']} s")
-    return out
 
 
 def section(name: str, fn: Callable[[], Any], errors: dict[str, str]) -> Any:
@@ -194,7 +167,7 @@ def run(a: argparse.Namespace, only: list[str], work: Path) -> int:
         vs_trl = section("vs_trl", lambda: measure_vs_trl(
             model_dir, kinds, n_pairs=16 if a.quick else 48, repeats=1 if a.quick else 3,
             log=log, precisions=("fp32", "bf16")), errors)
-    meta = {"command": " ".join(["python benchmarks/run.py", *a.argv]),
+    meta = {"command": " ".join(["python -m benchmarks.run", *a.argv]),
             "quick": a.quick, "sections": only, "seconds": round(time.perf_counter() - t0),
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "machine": platform.processor() or platform.machine(),

@@ -71,7 +71,9 @@ def _vm_hwm_kib(pid: int) -> int:
         return 0
 
 
-def _watch_peak(pid: int, done: threading.Event, peak: list[int]) -> None:
+def watch_peak(pid: int, done: threading.Event, peak: list[int]) -> None:
+    """Until `done` is set, `peak[0]` = the largest VmHWM (KiB) of process `pid` seen, polled
+    every 20 ms: the child's own peak (wait4's carries the parent's over)."""
     while not done.wait(0.02):
         peak[0] = max(peak[0], _vm_hwm_kib(pid))
 
@@ -84,7 +86,7 @@ def run_stage(module: str, root: Path, it: int, env: dict[str, str]) -> dict[str
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None
     done, peak = threading.Event(), [0]
-    watcher = threading.Thread(target=_watch_peak, args=(proc.pid, done, peak), daemon=True)
+    watcher = threading.Thread(target=watch_peak, args=(proc.pid, done, peak), daemon=True)
     watcher.start()
     try:
         output = proc.stdout.read()

@@ -2,7 +2,7 @@
 profile's iterations), then N `alignloop tick`s, each what a cron fire runs; one table row per
 iteration and the targets for recurring iterations checked.
 
-    python benchmarks/ticks.py --workspace DIR [--profile default] [--seed S] [--ticks 6]
+    python -m benchmarks.ticks --workspace DIR [--profile default] [--seed S] [--ticks 6]
                                [--params FILE]   # an overlay (e.g. fp32) instead of --profile
 
 An existing workspace is continued (ticks are appended until it holds the profile's iterations

@@ -1,9 +1,11 @@
 """`alignloop ARGS` with its wall time split: interpreter start, imports, the command itself.
 
-Run as `python -X importtime benchmarks/timed_cli.py TIMINGS.json ARGS...`; the first line
-below is the earliest point Python code runs, so (its wall clock - the parent's spawn time) is
-interpreter start-up. After the module-level imports a marker goes to stderr: the top-level
-`-X importtime` entries after it are the imports the command does lazily (cached_rerun.py sums
+Run as `python -X importtime -m benchmarks.timed_cli TIMINGS.json ARGS...` from the checkout
+root (cached_rerun.py does); the first line below is the earliest point this module's code
+runs, so (its wall clock - the parent's spawn time) is interpreter start-up, with `-m`'s own
+share in it: runpy finding this module and importing the (docstring-only) `benchmarks`
+package (~1 ms). After the module-level imports a marker goes to stderr: the top-level `-X
+importtime` entries after it are the imports the command does lazily (cached_rerun.py sums
 them). With `--profile OUT.prof` before ARGS the command runs under cProfile; with
 `--prefect-heartbeats` (after it, before ARGS) Prefect's own flow-heartbeat loop runs instead
 of flows/heartbeats.py's.
@@ -12,12 +14,12 @@ import time
 
 T_BOOT = time.time()
 
+# after T_BOOT on purpose (E402): their import time is the command's, not the interpreter's
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 MARKER = "timed_cli: module-level imports done"
 
 

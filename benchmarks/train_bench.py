@@ -191,7 +191,8 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def _frozen_ref(model_dir: Path) -> torch.nn.Module:
+def frozen_ref(model_dir: Path) -> torch.nn.Module:
+    """The model at `model_dir`, every weight frozen: the reference of a DPO or PPO update."""
     ref = lm.load_causal_lm(model_dir)
     for w in ref.parameters():
         w.requires_grad_(False)
@@ -206,7 +207,7 @@ def bench_dpo(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, epochs:
     pairs = pairs_from(samples, n_pairs)
 
     def run(items: Sequence[Any], q: Any) -> tuple[float, dict[str, float], Any, Any]:
-        policy, ref = lm.load_causal_lm(model_dir), _frozen_ref(model_dir)
+        policy, ref = lm.load_causal_lm(model_dir), frozen_ref(model_dir)
         seconds, metrics = _timed(lambda: train_dpo(policy, ref, items, q, pad,
                                                     torch.Generator().manual_seed(0)))
         return seconds, metrics, policy, ref
@@ -284,7 +285,7 @@ def bench_ppo(model_dir: Path, samples: Sequence[Rollout], n_rollouts: int, epoc
     scores = torch.randn(len(rollouts), generator=torch.Generator().manual_seed(6))
 
     def run(rs: list[Rollout], sc: torch.Tensor, q: Any) -> tuple[float, dict[str, float], Any]:
-        policy, ref = lm.load_causal_lm(model_dir), _frozen_ref(model_dir)
+        policy, ref = lm.load_causal_lm(model_dir), frozen_ref(model_dir)
         head = ValueHead(policy.config.hidden_size)
         seconds, metrics = _timed(lambda: train_ppo(policy, head, ref, rs, sc, q,
                                                     tok.pad_token_id,

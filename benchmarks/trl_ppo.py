@@ -1,15 +1,15 @@
 """Our PPO update against TRL's PPO trainer on the same rollouts, sides alternating, one run.
 
-    python benchmarks/trl_ppo.py [--model DIR] [--prompts 6] [--k 8] [--repeats 3]
+    python -m benchmarks.trl_ppo [--model DIR] [--prompts 6] [--k 8] [--repeats 3]
 
 TRL 1.16 (the `[bench]` extra) ships no PPO trainer; 1.12.0 is the last release that does
 (`trl.experimental.ppo.PPOTrainer`: huggingface/trl#4482 moved it there in v1.10; the
 1.13 wheel has no ppo module). It cannot share a process with 1.16, so this benchmark
 installs it once, without dependencies, into benchmarks/.cache/trl-1.12.0 (`pip install
 --no-deps --target`; it runs on the installed transformers, accelerate and datasets) and runs
-every side in a fresh process: ours (`python benchmarks/trl_ppo.py --side ours`) and TRL's
-(the same with --side trl and that directory first on PYTHONPATH), alternating, `--repeats`
-each; fastest and median reported.
+every side in a fresh process started from the checkout root: ours (`python -m
+benchmarks.trl_ppo --side ours`) and TRL's (the same with --side trl and that directory first
+on PYTHONPATH), alternating, `--repeats` each; fastest and median reported.
 
 Same on both sides: the frozen reference (the converted default model, or --model) and the
 policy (`moved_policy`: the same weights plus seeded noise of 2% of each tensor's spread, so
@@ -62,13 +62,13 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import isolation  # noqa: E402
-from tasks.core import heap  # noqa: E402
+from benchmarks import isolation
+from benchmarks.common import build_pairs, cache_dir, ensure_model, log, review_responses
+from tasks.core import heap
 from tasks.models import lm
-from tasks.config.params import PPOParams, load_params  # noqa: E402
+from tasks.config.params import PPOParams, load_params
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TRL_PPO_VERSION = "1.12.0"
 RESPONSE_TOKENS = 40
@@ -77,8 +77,7 @@ TRL_PAD = "<|endoftext|>"
 
 
 def trl_ppo_dir() -> Path:
-    """Where TRL 1.12 lives: benchmarks/.cache, which git ignores (benchmarks.run.cache_dir)."""
-    from benchmarks.run import cache_dir
+    """Where TRL 1.12 lives: benchmarks/.cache, which git ignores (common.cache_dir)."""
     return cache_dir() / f"trl-{TRL_PPO_VERSION}"
 
 
@@ -118,7 +117,6 @@ def build_rollouts(model_dir: Path, n_prompts: int, k: int, seed: int = 0) -> di
     sentences (RESPONSE_TOKENS ids, no EOS), their log-probs under the policy at `model_dir`
     (pi_old) and seeded standard-normal scores; the rollouts of one prompt are adjacent, as
     the stage's are."""
-    from benchmarks.vs_trl import build_pairs, review_responses
     params = load_params(ROOT / "params" / "default.yaml")
     tok = lm.load_tokenizer(model_dir)
     prompts = [e.prompt_ids for e in build_pairs(tok, params, n_prompts, seed)]
@@ -143,7 +141,7 @@ def ppo_params(epochs: int | None = None) -> PPOParams:
 
 def run_ours(policy_dir: Path, ref_dir: Path, data: dict[str, Any], p: PPOParams
              ) -> dict[str, Any]:
-    from benchmarks.train_bench import _frozen_ref
+    from benchmarks.train_bench import frozen_ref
     from tasks.policy.ppo import train_ppo
     from tasks.data.records import Rollout
     from tasks.schemas.generation import GenerationParams
@@ -153,7 +151,7 @@ def run_ours(policy_dir: Path, ref_dir: Path, data: dict[str, Any], p: PPOParams
                         GenerationParams(temperature=1.0))
                 for i, (pr, r, lp) in enumerate(zip(data["prompts"], data["responses"],
                                                     data["logprobs"]))]
-    policy, ref = lm.load_causal_lm(policy_dir), _frozen_ref(ref_dir)
+    policy, ref = lm.load_causal_lm(policy_dir), frozen_ref(ref_dir)
     head = ValueHead(policy.config.hidden_size)
     t0 = time.perf_counter()
     m = train_ppo(policy, head, ref, rollouts, torch.tensor(data["scores"]), p, pad,
@@ -293,14 +291,16 @@ def _spawn(side: str, policy_dir: Path, model_dir: Path, data_file: Path, epochs
            trl_dir: Path, tmp: Path) -> dict[str, Any]:
     out = tmp / f"{side}.json"
     env = dict(os.environ)
-    if side == "trl":
-        env["PYTHONPATH"] = os.pathsep.join([str(trl_dir), str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--model",
-           str(model_dir), "--policy", str(policy_dir), "--data", str(data_file),
-           "--out", str(out)]
+    if side == "trl":      # ahead of site-packages' TRL 1.16 (sys.path[0], the checkout, has none)
+        env["PYTHONPATH"] = os.pathsep.join([str(trl_dir), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "benchmarks.trl_ppo", "--side", side, "--model",
+           str(model_dir.resolve()), "--policy", str(policy_dir.resolve()), "--data",
+           str(data_file.resolve()), "--out", str(out.resolve())]
     if epochs:
         cmd += ["--epochs", str(epochs)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # from the checkout root, where `-m benchmarks.trl_ppo` finds this checkout's benchmarks
+    # and tasks (sys.path[0]); every path passed is absolute
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{side} side failed: {proc.stderr.strip()[-2000:]}")
     return json.loads(out.read_text())
@@ -374,7 +374,6 @@ def main(argv: list[str] | None = None) -> int:
         return _side_main(a)
     if argv is None:
         isolation.restart_with_heap(a.heap)
-    from benchmarks.run import ensure_model, log
     out = measure_vs_trl_ppo(ensure_model(a.model), a.prompts, a.k, a.repeats, a.epochs, log=log)
     print(json.dumps(out, default=str), flush=True)
     return 0

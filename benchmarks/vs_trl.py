@@ -1,6 +1,6 @@
 """Our DPO and reward-model updates against TRL's DPOTrainer and RewardTrainer, in one run.
 
-    python benchmarks/vs_trl.py [--model DIR] [--kinds dpo,rm,ppo] [--pairs 48] [--repeats 3]
+    python -m benchmarks.vs_trl [--model DIR] [--kinds dpo,rm,ppo] [--pairs 48] [--repeats 3]
                                 [--precisions fp32,bf16] [--heap stage|stock]
 
 TRL is a benchmark-only dependency (`pip install -e '.[bench]'`: trl==1.16.0); without it the
@@ -8,7 +8,7 @@ section reports itself skipped. Both sides get the same model (the converted def
 --model), the same pairs as token ids, the same batches in the same order and the same
 hyperparameters (params/default.yaml's update.dpo / train_rm), the same precision on both
 sides, fp32 and bf16 autocast each measured side by side (`--precisions`):
-- pairs: `build_pairs`, deterministic: the default train prompts chat-rendered as the stages
+- pairs: `common.build_pairs`, deterministic: the default train prompts chat-rendered as the stages
   render them, chosen = hand-written review sentences, rejected = hand-written correspondence
   sentences (params/gold/register_examples.jsonl), each response cut to RESPONSE_TOKENS ids.
 - order: ours draws each epoch's order from its rng (`train_dpo`: randperm; `train_reward`:
@@ -62,9 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -74,23 +72,19 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import isolation  # noqa: E402
-from benchmarks.trl_side import trl_dpo, trl_rm  # noqa: E402
-from tasks.core import heap  # noqa: E402
+from benchmarks import isolation
+from benchmarks.common import RESPONSE_TOKENS, build_pairs, ensure_model, log
+from benchmarks.trl_side import trl_dpo, trl_rm
+from tasks.core import heap
 from tasks.models import lm
-from tasks.runtime.distributed import LOSSES_ENV  # noqa: E402
-from tasks.config.params import DPOParams, Params, TrainRMParams, load_params  # noqa: E402
-from tasks.data.records import parse_prompt  # noqa: E402
-from tasks.reward.reward_model import prompt_batches  # noqa: E402
+from tasks.runtime.distributed import LOSSES_ENV
+from tasks.config.params import DPOParams, Params, TrainRMParams, load_params
+from tasks.reward.reward_model import prompt_batches
 from tasks.reward.features import EncodedPair
-from tasks.stages.prompts import build_prompts, read_lines  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TRL_VERSION = "1.16.0"
-RESPONSE_TOKENS = 40
-SENTENCES = ROOT / "params" / "gold" / "register_examples.jsonl"
 
 
 def trl_version() -> str | None:
@@ -102,50 +96,7 @@ def trl_version() -> str | None:
     return str(trl.__version__)
 
 
-# 1. inputs and batch orders -----------------------------------------------------------------
-
-def build_pairs(tok: Any, params: Params, n: int, seed: int = 0,
-                response_tokens: int = RESPONSE_TOKENS) -> list[EncodedPair]:
-    """n pairs on n distinct default train prompts; chosen: review sentences, rejected:
-    correspondence sentences, drawn with `seed`, joined and cut to response_tokens ids (no
-    EOS)."""
-    p = params.prompts
-    subjects, templates = read_lines(ROOT / p.subjects_file), read_lines(ROOT / p.templates_file)
-    train, _ = build_prompts(subjects, templates, replace(p, n_train=n, n_heldout=0), seed)
-    reviews, letters = _sentences()
-    rng = random.Random(seed)
-    return [EncodedPair(tuple(lm.render_prompt(tok, parse_prompt(rec, "prompt"),
-                                               params.model.max_prompt_tokens)),
-                        _response(tok, reviews, rng, response_tokens),
-                        _response(tok, letters, rng, response_tokens)) for rec in train[:n]]
-
-
-def _sentences() -> tuple[list[str], list[str]]:
-    """The hand-written review and correspondence sentences."""
-    rows = [json.loads(line) for line in SENTENCES.read_text().splitlines() if line.strip()]
-    return ([r["text"] for r in rows if r["label"] == "review"],
-            [r["text"] for r in rows if r["label"] != "review"])
-
-
-def _response(tok: Any, pool: list[str], rng: random.Random, n_tokens: int) -> tuple[int, ...]:
-    """Four sentences of `pool` drawn with `rng`, joined, cut to n_tokens ids (no EOS)."""
-    text = " ".join(rng.sample(pool, 4))
-    return tuple(tok(text, add_special_tokens=False)["input_ids"][:n_tokens])
-
-
-def review_responses(tok: Any, n: int, seed: int, n_tokens: int = RESPONSE_TOKENS
-                     ) -> list[tuple[int, ...]]:
-    """n distinct responses of review sentences (`_response`) of exactly n_tokens ids, drawn
-    with `seed` (shorter draws skipped)."""
-    reviews, _ = _sentences()
-    rng, out, seen = random.Random(seed), [], set()
-    while len(out) < n:
-        r = _response(tok, reviews, rng, n_tokens)
-        if len(r) == n_tokens and r not in seen:
-            seen.add(r)
-            out.append(r)
-    return out
-
+# 1. batch orders (the pairs: common.build_pairs) --------------------------------------------
 
 def dpo_orders(n: int, epochs: int, seed: int) -> list[list[int]]:
     """The pair order of each epoch of `train_dpo` with rng seeded `seed`."""
@@ -416,7 +367,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--precisions {a.precisions}: fp32 and/or bf16")
     if argv is None:
         isolation.restart_with_heap(a.heap)
-    from benchmarks.run import ensure_model, log
     torch.set_num_threads(int(os.environ.get("ALIGNLOOP_THREADS", isolation.THREADS)))
     out = measure_vs_trl(ensure_model(a.model), [k for k in a.kinds.split(",") if k], a.pairs,
                          a.repeats, a.epochs, a.batch_size, log=log,

@@ -109,13 +109,13 @@ def test_stage_peak_memory_is_the_childs_own() -> None:
     import sys
     import threading
 
-    from benchmarks.scaling import _watch_peak
+    from benchmarks.scaling import watch_peak
     ballast = bytearray(400 * 2**20)          # the parent is large; wait4 would report this
     ballast[:: 4096] = b"x" * len(ballast[:: 4096])
     child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(150 * 2**20); "
                               "b[::4096] = b'y' * len(b[::4096]); time.sleep(0.5)"])
     done, peak = threading.Event(), [0]
-    watcher = threading.Thread(target=_watch_peak, args=(child.pid, done, peak))
+    watcher = threading.Thread(target=watch_peak, args=(child.pid, done, peak))
     watcher.start()
     child.wait()
     done.set()
@@ -233,7 +233,7 @@ def test_rm_depth_reports_every_depth_and_picks_as_train_rm_would(tiny_run) -> N
     from tasks.reward.probe import choose_depth
     from tasks.reward.reward_model import encode_pairs, heldout_split, init_reward_model
     ws = tiny_run["ws"]
-    proc = subprocess.run([sys.executable, "benchmarks/rm_depth.py", "--workspace", str(ws),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rm_depth", "--workspace", str(ws),
                            "--depths", "1-2"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
