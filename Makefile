@@ -35,7 +35,7 @@ run-tiny: $(STAMP)
 
 # ruff over the code (its rules: pyproject.toml, [tool.ruff]); `make test` runs it first.
 lint: $(STAMP)
-	$(BIN)/ruff check tasks flows tests
+	$(BIN)/ruff check tasks flows tests benchmarks
 
 # The default test run: unit, per-stage smoke and flow tests on the tiny profile (minutes).
 test: lint

@@ -1,5 +1,5 @@
-"""Calibrate and measure the gold evaluator's review check (tasks/evaluation/genre.py) on hand-labelled
-samples.
+"""Calibrate and measure the gold evaluator's review check (tasks/evaluation/genre.py) on
+hand-labelled samples.
 
     python -m benchmarks.calibrate_genre [--labels benchmarks/data/genre_labels.jsonl]
                                          [--params params/default.yaml]
@@ -25,9 +25,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from tasks.config.params import load_params
 from tasks.core import jsonl
 from tasks.evaluation.gold import GoldEvaluator
-from tasks.config.params import load_params
 
 ROOT = Path(__file__).resolve().parent.parent
 

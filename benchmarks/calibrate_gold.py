@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
+from tasks.config.params import load_params
+from tasks.data.records import parse_prompt
+from tasks.evaluation.gold import GoldEvaluator
 from tasks.models import lm
 from tasks.models.generation import sample_rollouts
 from tasks.models.gguf_convert import convert_gguf_to_hf, find_packaged_gguf
-from tasks.evaluation.gold import GoldEvaluator
-from tasks.config.params import load_params
-from tasks.data.records import parse_prompt
 from tasks.stages.prompts import build_prompts, read_lines
 
 OFF_TOPIC = [

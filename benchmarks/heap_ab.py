@@ -44,9 +44,9 @@ def _train(kind: str, model_dir: Path) -> None:
 
     from benchmarks import vs_trl
     from benchmarks.common import build_pairs
+    from tasks.config.params import load_params
     from tasks.models import lm
     from tasks.runtime.distributed import LOSSES_ENV
-    from tasks.config.params import load_params
     tok = lm.load_tokenizer(model_dir)
     if kind == "ppo":
         from benchmarks.train_bench import sample_inputs
@@ -59,8 +59,9 @@ def _train(kind: str, model_dir: Path) -> None:
         ref.requires_grad_(False)
         head = ValueHead(policy.config.hidden_size)
         p = replace(params.update.ppo, epochs=1)
-        train = lambda: train_ppo(policy, head, ref, rollouts, scores, p,  # noqa: E731
-                                  tok.pad_token_id, torch.Generator().manual_seed(0), it=1)
+        train = lambda: train_ppo(policy, head, ref, rollouts, scores, p=p,
+                                  pad_id=tok.pad_token_id,
+                                  rng=torch.Generator().manual_seed(0), it=1)
     else:
         params = load_params(ROOT / "params/default.yaml")
         pairs = build_pairs(tok, params, SIZES[kind])
@@ -69,13 +70,13 @@ def _train(kind: str, model_dir: Path) -> None:
             p = params.update.dpo
             policy, ref = lm.load_causal_lm(model_dir), lm.load_causal_lm(model_dir)
             ref.requires_grad_(False)
-            train = lambda: train_dpo(policy, ref, pairs, p, tok.pad_token_id,  # noqa: E731
-                                      torch.Generator().manual_seed(0))
+            train = lambda: train_dpo(policy, ref, pairs, p=p, pad_id=tok.pad_token_id,
+                                      rng=torch.Generator().manual_seed(0))
         else:
             from tasks.reward.reward_model import train_reward
             p, _ = vs_trl.settings(params, "rm", 1, params.train_rm.precision)
             model = vs_trl.rm_model(model_dir, p)
-            train = lambda: train_reward(model, pairs, p, tok.pad_token_id,  # noqa: E731
+            train = lambda: train_reward(model, pairs, p, tok.pad_token_id,
                                          torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory() as tmp:
         os.environ[LOSSES_ENV] = str(Path(tmp) / "losses.json")

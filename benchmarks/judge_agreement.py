@@ -20,11 +20,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tasks.core import jsonl, layout
-from tasks.judging.judges import judge_pairs, position_flipped
-from tasks.judging.judge_factory import make_judge
 from tasks.config.params import load_params
+from tasks.core import jsonl, layout
 from tasks.data.records import parse_prompt
+from tasks.judging.judge_factory import make_judge
+from tasks.judging.judges import judge_pairs, position_flipped
 
 
 def agreement(ours: Sequence[str], theirs: Sequence[str]) -> dict[str, float]:

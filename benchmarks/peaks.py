@@ -37,5 +37,6 @@ def measure_peaks(n: int = 2048, repeats: int = 5) -> dict[str, float]:
     native = lm.native_bf16()
     return {"fp32_gflops": round(matmul_gflops(torch.float32, n, repeats), 1),
             "bf16_gflops": round(matmul_gflops(torch.bfloat16, n if native else 256,
-                                               repeats if native else 2, 1 if not native else 3), 1),
+                                               repeats if native else 2,
+                                               1 if not native else 3), 1),
             "bf16_native": float(native), "threads": torch.get_num_threads(), "n": n}

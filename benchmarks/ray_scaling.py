@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from benchmarks.rollout_bench import train_prompts
-from tasks.models import lm, sampling
-from tasks.runtime import ray_pool, stage
-from tasks.models.generation import sample_rollouts
 from tasks.config.params import GenerationParams, TinyModelParams, load_params
+from tasks.models import lm, sampling
+from tasks.models.generation import sample_rollouts
 from tasks.models.tiny_model import save_tiny
+from tasks.runtime import ray_pool, stage
 
 REPO = Path(__file__).resolve().parent.parent
 

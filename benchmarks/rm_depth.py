@@ -17,11 +17,11 @@ import json
 import time
 from pathlib import Path
 
-from tasks.core import jsonl, layout
-from tasks.models import lm
 from tasks.config.params import load_params
+from tasks.core import jsonl, layout
 from tasks.data.records import parse_pair
-from tasks.reward.probe import PROBE_FOLDS, _probe_fit, depth_features, pair_diffs, probe_cv
+from tasks.models import lm
+from tasks.reward.probe import PROBE_FOLDS, depth_features, pair_diffs, probe_cv, probe_fit
 from tasks.reward.reward_model import encode_pairs, heldout_split, init_reward_model
 
 
@@ -53,7 +53,7 @@ def main() -> None:
         losses, acc = probe_cv(d_train[:, j], [e.prompt_ids for e in train],
                                rp.probe_l2_grid or (rp.probe_l2,), PROBE_FOLDS)
         l2 = min(losses, key=lambda x: (losses[x], -x))
-        held_acc = float((d_held[:, j] @ _probe_fit(d_train[:, j], l2) > 0).float().mean())
+        held_acc = float((d_held[:, j] @ probe_fit(d_train[:, j], l2) > 0).float().mean())
         rows[d] = {"l2": l2, "cv_loss": round(losses[l2], 4), "cv_accuracy": round(acc[l2], 4),
                    "heldout_accuracy": round(held_acc, 4)}
         print(f"{d:>3} blocks: {rows[d]}", flush=True)

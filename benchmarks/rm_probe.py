@@ -18,16 +18,22 @@ import json
 import time
 from pathlib import Path
 
+from tasks.config.params import TrainRMParams, load_params
 from tasks.core import jsonl, layout
-from tasks.models import lm
-from tasks.runtime import stage
+from tasks.data.records import parse_rollout
 from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import judge_groups, pool_margin, rollout_groups
-from tasks.config.params import TrainRMParams, load_params
-from tasks.data.records import parse_rollout
+from tasks.models import lm
 from tasks.reward.probe import fit_probe_head
-from tasks.reward.reward_model import (RewardEnsemble, encode_pairs, ensemble_metrics, heldout_split,
-                                       init_reward_model, train_reward)
+from tasks.reward.reward_model import (
+    RewardEnsemble,
+    encode_pairs,
+    ensemble_metrics,
+    heldout_split,
+    init_reward_model,
+    train_reward,
+)
+from tasks.runtime import stage
 
 
 def main() -> None:

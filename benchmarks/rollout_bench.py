@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from tasks.models import lm
-from tasks.runtime import stage
-from tasks.models.generation import sample_rollouts
 from tasks.config.params import GenerationParams, load_params
 from tasks.data.records import Prompt, Rollout, parse_prompt
+from tasks.models import lm
+from tasks.models.generation import sample_rollouts
+from tasks.runtime import stage
 from tasks.stages.prompts import build_prompts, read_lines
 
 ROOT = Path(__file__).resolve().parent.parent

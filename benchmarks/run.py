@@ -63,7 +63,7 @@ def section(name: str, fn: Callable[[], Any], errors: dict[str, str]) -> Any:
     log(f"== {name} ==")
     try:
         out = fn()
-    except Exception as e:                  # one broken section must not hide the others
+    except Exception as e:  # noqa: BLE001 (one broken section must not hide the others)
         traceback.print_exc()
         errors[name] = f"{type(e).__name__}: {e}"[:500]
         out = None

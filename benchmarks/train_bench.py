@@ -2,9 +2,9 @@
 
 Each update is the stage's own training function, called as the stage calls it:
 `tasks.policy.dpo.train_dpo` (update, DPO), `tasks.reward.reward_model.train_reward` (train_rm) and
-`tasks.policy.ppo.train_ppo` (update, PPO, as `tasks.stages.update.run_ppo` calls it), with the batch
-sizes, epochs and learning rates of params/default.yaml, on realistic inputs: the default train
-prompts chat-rendered as the stages render them (~47 tokens) and the model's own responses of
+`tasks.policy.ppo.train_ppo` (update, PPO, as `tasks.stages.update.run_ppo` calls it), with the
+batch sizes, epochs and learning rates of params/default.yaml, on realistic inputs: the default
+train prompts chat-rendered as the stages render them (~47 tokens) and the model's own responses of
 up to 40 tokens, sampled once by the rollout stage's sampler (`sample_inputs`).
 
 FLOP convention ("model FLOPs", PaLM-style; stated again in the result):
@@ -46,9 +46,9 @@ from typing import Any
 import torch
 
 from benchmarks.peaks import measure_peaks
-from tasks.models import lm
 from tasks.config.params import Params, load_params
 from tasks.data.records import Rollout, parse_prompt
+from tasks.models import lm
 from tasks.stages.prompts import build_prompts, read_lines
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,14 +155,14 @@ def _autocast(precision: str) -> Any:
 def dpo_losses(policy: Any, ref: Any, batch: Sequence[Any], p: Any, pad: int) -> dict[str, float]:
     """The DPO loss of the trained policy against the reference on one batch, with both
     passes in fp32 and both in bf16 autocast (as train_dpo runs them)."""
-    from tasks.policy.dpo import _pair_logprobs
     from tasks.functional.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES
+    from tasks.policy.dpo import pair_logprobs
     mean_lp = p.loss in LENGTH_NORMALISED_LOSSES
     out = {}
     for precision in ("fp32", "bf16"):
         with _autocast(precision):
-            ref_c, ref_r = _pair_logprobs(ref, batch, pad, mean_lp)
-            pi_c, pi_r = _pair_logprobs(policy, batch, pad, mean_lp)
+            ref_c, ref_r = pair_logprobs(ref, batch, pad, mean_lp)
+            pi_c, pi_r = pair_logprobs(policy, batch, pad, mean_lp)
         loss = DPO_LOSSES[p.loss](pi_c.float(), pi_r.float(), ref_c.float(), ref_r.float(),
                                   p.beta, p.label_smoothing)
         out[precision] = float(loss.mean())
@@ -173,11 +173,11 @@ def dpo_losses(policy: Any, ref: Any, batch: Sequence[Any], p: Any, pad: int) ->
 def rm_losses(model: Any, batch: Sequence[Any], p: Any, pad: int) -> dict[str, float]:
     """The Bradley-Terry loss of the trained reward model on one batch, fp32 and bf16."""
     from tasks.functional.losses import bradley_terry_margin_loss
-    from tasks.reward.reward_model import _margins
+    from tasks.reward.reward_model import member_margins
     out = {}
     for precision in ("fp32", "bf16"):
         with _autocast(precision):
-            margins = _margins(model, batch, pad)[0].float()
+            margins = member_margins(model, batch, pad)[0].float()
         out[precision] = float(bradley_terry_margin_loss(margins, torch.zeros_like(margins),
                                                          p.margin).mean())
     return out
@@ -208,8 +208,8 @@ def bench_dpo(model_dir: Path, samples: Sequence[Rollout], n_pairs: int, epochs:
 
     def run(items: Sequence[Any], q: Any) -> tuple[float, dict[str, float], Any, Any]:
         policy, ref = lm.load_causal_lm(model_dir), frozen_ref(model_dir)
-        seconds, metrics = _timed(lambda: train_dpo(policy, ref, items, q, pad,
-                                                    torch.Generator().manual_seed(0)))
+        seconds, metrics = _timed(lambda: train_dpo(policy, ref, items, p=q, pad_id=pad,
+                                                    rng=torch.Generator().manual_seed(0)))
         return seconds, metrics, policy, ref
 
     run(pairs[:WARMUP], replace(p, epochs=1))                                # warm-up
@@ -287,9 +287,9 @@ def bench_ppo(model_dir: Path, samples: Sequence[Rollout], n_rollouts: int, epoc
     def run(rs: list[Rollout], sc: torch.Tensor, q: Any) -> tuple[float, dict[str, float], Any]:
         policy, ref = lm.load_causal_lm(model_dir), frozen_ref(model_dir)
         head = ValueHead(policy.config.hidden_size)
-        seconds, metrics = _timed(lambda: train_ppo(policy, head, ref, rs, sc, q,
-                                                    tok.pad_token_id,
-                                                    torch.Generator().manual_seed(0), it=1))
+        seconds, metrics = _timed(lambda: train_ppo(policy, head, ref, rs, sc, p=q,
+                                                    pad_id=tok.pad_token_id,
+                                                    rng=torch.Generator().manual_seed(0), it=1))
         return seconds, metrics, policy
 
     run(rollouts[:WARMUP], scores[:WARMUP], replace(p, epochs=1))            # warm-up

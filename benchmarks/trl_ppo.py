@@ -64,9 +64,9 @@ import torch
 
 from benchmarks import isolation
 from benchmarks.common import build_pairs, cache_dir, ensure_model, log, review_responses
+from tasks.config.params import PPOParams, load_params
 from tasks.core import heap
 from tasks.models import lm
-from tasks.config.params import PPOParams, load_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,10 +142,10 @@ def ppo_params(epochs: int | None = None) -> PPOParams:
 def run_ours(policy_dir: Path, ref_dir: Path, data: dict[str, Any], p: PPOParams
              ) -> dict[str, Any]:
     from benchmarks.train_bench import frozen_ref
-    from tasks.policy.ppo import train_ppo
     from tasks.data.records import Rollout
-    from tasks.schemas.generation import GenerationParams
+    from tasks.policy.ppo import train_ppo
     from tasks.policy.value_head import ValueHead
+    from tasks.schemas.generation import GenerationParams
     pad = lm.load_tokenizer(policy_dir).pad_token_id
     rollouts = [Rollout(f"bench-{i}", (), tuple(pr), tuple(r), tuple(lp), False, "", "bench", 1,
                         GenerationParams(temperature=1.0))
@@ -154,8 +154,8 @@ def run_ours(policy_dir: Path, ref_dir: Path, data: dict[str, Any], p: PPOParams
     policy, ref = lm.load_causal_lm(policy_dir), frozen_ref(ref_dir)
     head = ValueHead(policy.config.hidden_size)
     t0 = time.perf_counter()
-    m = train_ppo(policy, head, ref, rollouts, torch.tensor(data["scores"]), p, pad,
-                  torch.Generator().manual_seed(0), it=1)
+    m = train_ppo(policy, head, ref, rollouts, torch.tensor(data["scores"]), p=p, pad_id=pad,
+                  rng=torch.Generator().manual_seed(0), it=1)
     seconds = time.perf_counter() - t0
     tokens = sum(len(r) for r in data["responses"])
     return {"seconds": seconds, "steps": int(m["update/steps"]),

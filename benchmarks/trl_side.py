@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from tasks.models import lm
 from tasks.config.params import DPOParams, TrainRMParams
+from tasks.models import lm
 from tasks.reward.features import EncodedPair
 
 

@@ -75,12 +75,12 @@ import torch
 from benchmarks import isolation
 from benchmarks.common import RESPONSE_TOKENS, build_pairs, ensure_model, log
 from benchmarks.trl_side import trl_dpo, trl_rm
+from tasks.config.params import DPOParams, Params, TrainRMParams, load_params
 from tasks.core import heap
 from tasks.models import lm
-from tasks.runtime.distributed import LOSSES_ENV
-from tasks.config.params import DPOParams, Params, TrainRMParams, load_params
-from tasks.reward.reward_model import prompt_batches
 from tasks.reward.features import EncodedPair
+from tasks.reward.reward_model import prompt_batches
+from tasks.runtime.distributed import LOSSES_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,7 +147,8 @@ def ours_dpo(model_dir: Path, pairs: Sequence[EncodedPair], p: DPOParams, pad: i
     policy, ref = lm.load_causal_lm(model_dir), lm.load_causal_lm(model_dir)
     for w in ref.parameters():
         w.requires_grad_(False)
-    return _ours(lambda: train_dpo(policy, ref, pairs, p, pad, torch.Generator().manual_seed(seed)))
+    return _ours(lambda: train_dpo(policy, ref, pairs, p=p, pad_id=pad,
+                                   rng=torch.Generator().manual_seed(seed)))
 
 
 def rm_model(model_dir: Path, p: TrainRMParams) -> Any:
@@ -267,13 +268,13 @@ def _measure_one(model_dir: Path, params: Params, pairs: Sequence[EncodedPair], 
     tokens = pair_tokens(pairs) * p.epochs
     if kind == "dpo":
         orders = dpo_orders(len(pairs), p.epochs, seed)
-        run_ours = lambda: ours_dpo(model_dir, pairs, p, pad_id, seed)  # noqa: E731
-        run_trl = lambda: Side(*trl_dpo(model_dir, pairs, p,  # noqa: E731
+        run_ours = lambda: ours_dpo(model_dir, pairs, p, pad_id, seed)
+        run_trl = lambda: Side(*trl_dpo(model_dir, pairs, p,
                                         params.update.max_length, orders))
     else:
         orders = rm_orders(pairs, p.epochs, seed)
-        run_ours = lambda: ours_rm(model_dir, pairs, p, pad_id, seed)  # noqa: E731
-        run_trl = lambda: Side(*trl_rm(model_dir, rm_model(model_dir, p), pairs, p,  # noqa: E731
+        run_ours = lambda: ours_rm(model_dir, pairs, p, pad_id, seed)
+        run_trl = lambda: Side(*trl_rm(model_dir, rm_model(model_dir, p), pairs, p,
                                        orders))
     name = kind if precision == "fp32" else f"{kind} {precision}"
     r = compare(run_ours, run_trl, repeats, len(pairs) * p.epochs, tokens, log, name)

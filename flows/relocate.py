@@ -54,7 +54,7 @@ def follow(db: Path, root: Path) -> int:
     inside = [(f'"{old}/', f'"{root}/'), (f"{old.as_uri()}/", f"{root.as_uri()}/")]
     changed = 0
     with closing(sqlite3.connect(db)) as con, con:
-        for table, column in _text_columns(con):
+        for table, column in text_columns(con):
             t, c = f'"{table}"', f'"{column}"'
             changed += con.execute(f"UPDATE {t} SET {c} = ? WHERE {c} = ?",
                                    (str(root), str(old))).rowcount
@@ -69,7 +69,7 @@ def follow(db: Path, root: Path) -> int:
     return changed
 
 
-def _text_columns(con: sqlite3.Connection) -> list[tuple[str, str]]:
+def text_columns(con: sqlite3.Connection) -> list[tuple[str, str]]:
     tables = [r[0] for r in con.execute(
         "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")]
     return [(t, col[1]) for t in tables for col in con.execute(f'PRAGMA table_info("{t}")')

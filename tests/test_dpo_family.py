@@ -26,7 +26,7 @@ from tasks.functional.losses import (
     ipo_loss,
 )
 from tasks.models import lm
-from tasks.policy.dpo import _pair_logprobs, offpolicy_indices
+from tasks.policy.dpo import offpolicy_indices, pair_logprobs
 from tasks.reward import reward_model
 from tasks.runtime import stage
 from tasks.stages import (
@@ -183,7 +183,7 @@ def test_sft_anchor_adds_the_chosen_responses_per_token_nll(ws: Path) -> None:
     pairs = [parse_pair(rec, path, n, "?") for n, rec in jsonl.read(path)]
     enc = reward_model.encode_pairs(tok, pairs, p.model.max_prompt_tokens, p.update.max_length)
     with torch.no_grad():
-        s_c, _ = _pair_logprobs(policy, enc, tok.pad_token_id)
+        s_c, _ = pair_logprobs(policy, enc, tok.pad_token_id)
     nll = float((-s_c / t(*[len(e.chosen_ids) for e in enc]).float()).mean())
     assert m["update/steps"] == p.update.dpo.epochs and nll > 1.0
     assert m["update/chosen_nll_first"] == pytest.approx(nll, rel=1e-4)
@@ -198,8 +198,8 @@ def test_ipo_sees_per_token_mean_logprobs(ws: Path) -> None:
     pairs = [parse_pair(rec, path, n, "?") for n, rec in jsonl.read(path)][:3]
     enc = reward_model.encode_pairs(tok, pairs, 48, 64)
     with torch.no_grad():
-        s_c, s_r = _pair_logprobs(policy, enc, tok.pad_token_id)
-        m_c, m_r = _pair_logprobs(policy, enc, tok.pad_token_id, per_token_mean=True)
+        s_c, s_r = pair_logprobs(policy, enc, tok.pad_token_id)
+        m_c, m_r = pair_logprobs(policy, enc, tok.pad_token_id, per_token_mean=True)
     assert torch.allclose(m_c, s_c / t(*[len(e.chosen_ids) for e in enc]).float(), atol=1e-5)
     assert torch.allclose(m_r, s_r / t(*[len(e.rejected_ids) for e in enc]).float(), atol=1e-5)
 

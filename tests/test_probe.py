@@ -91,15 +91,15 @@ def test_frozen_features_give_the_same_probe_and_metrics_as_rescoring(
     fit_probe_head(plain, train, p, pad_id=0)
     cached = init_reward_model(tmp_path, torch.Generator().manual_seed(0))
     cache = FrozenFeatures(cached, 0, p.pooling, p.precision)
-    from tasks.reward import probe
+    from tasks.reward import features
     computed: list[int] = []       # responses through the cached model's backbone
-    real = probe.features
+    real = features.features
 
     def counting(model, prompts, responses, *a, **k):  # type: ignore[no-untyped-def]
         if model is cached:
             computed.append(len(responses))
         return real(model, prompts, responses, *a, **k)
-    monkeypatch.setattr(probe, "features", counting)
+    monkeypatch.setattr(features, "features", counting)
     fit_probe_head(cached, train, p, pad_id=0, cache=cache)
     # bits: both fits compute the same keys' features in the same batches (FrozenFeatures.get),
     # in one process on the same threads, then the same closed form: the same ops and shapes
@@ -154,12 +154,12 @@ def test_cross_validation_over_prompts_picks_the_l2_that_predicts_fresh_pairs() 
     """choose_probe_l2 reads only the training pairs and lands on the side of the grid that
     predicts fresh pairs better, in both directions: strong where a weak L2 overfits, weak
     where a strong one cannot separate the signal. The folds group pairs by prompt."""
-    from tasks.reward.probe import _probe_fit, choose_probe_l2, probe_fold
+    from tasks.reward.probe import choose_probe_l2, probe_fit, probe_fold
     grid = (0.001, 0.01, 0.1, 1.0, 10.0)
     for make, n, side in ((_isotropic, 30, "strong"), (_confounded, 800, "weak")):
         diff, prompts = make(n, 0)
         fresh, _ = make(4000 if make is _confounded else 1000, 1)
-        acc = {l2: float((fresh @ _probe_fit(diff, l2) > 0).float().mean()) for l2 in grid}
+        acc = {l2: float((fresh @ probe_fit(diff, l2) > 0).float().mean()) for l2 in grid}
         chosen, cv = choose_probe_l2(diff, prompts, grid)
         assert set(cv) == set(grid)
         assert (chosen >= 0.1) if side == "strong" else (chosen <= 0.01)

@@ -129,8 +129,8 @@ def test_a_copy_runs_loads_and_audits_on_its_own_with_the_original_unreadable(
 
 
 def _columns(con: sqlite3.Connection) -> list[tuple[str, str]]:
-    from flows.relocate import _text_columns
-    return _text_columns(con)
+    from flows.relocate import text_columns
+    return text_columns(con)
 
 
 @pytest.mark.slow

@@ -185,7 +185,8 @@ def test_markdown_table_for_the_prefect_artifact(workspace, tmp_path):
 
 
 def test_a_failing_publication_is_a_warning_not_a_failed_run(workspace, monkeypatch):
-    from flows import pipeline  # imports Prefect, which sets up logging: then listen
+    from flows import messages, pipeline  # imports Prefect, which sets up logging: then listen
+    from flows.record import IterationRecord
 
     class Records(logging.Handler):
         def __init__(self) -> None:
@@ -197,16 +198,20 @@ def test_a_failing_publication_is_a_warning_not_a_failed_run(workspace, monkeypa
 
     def unreachable(*_: object, **__: object) -> None:
         raise ConnectionError("Prefect server gone")
+    def no_mlflow(*_: object, **__: object) -> None:
+        raise ConnectionError("MLflow server gone")
     monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", unreachable)
+    monkeypatch.setattr("flows.registry.MlflowClient", no_mlflow)
     records = Records()
-    logger = logging.getLogger(pipeline.__name__)
+    logger = logging.getLogger(messages.__name__)
     logger.addHandler(records)
-    try:                                 # no MLflow run id, no Prefect server: both steps fail
-        done = pipeline.publish_report.fn(str(workspace), {"iteration": 3, "stages": []})
+    last = IterationRecord(3, "0" * 40, (), mlflow_run_id="r", recorded="now")
+    try:                                 # no MLflow server, no Prefect server: both steps fail
+        done = pipeline.publish_report.fn(str(workspace), last)
     finally:
         logger.removeHandler(records)
     assert done == {"html": str(workspace / "report" / "report.html")}
-    assert records.messages[0] == "report: not logged to MLflow (KeyError: 'mlflow_run_id')"
+    assert records.messages[0] == "report: not logged to MLflow (ConnectionError: MLflow server gone)"
     assert records.messages[1] == "report: no Prefect artifact (ConnectionError: Prefect server gone)"
 
 
@@ -361,15 +366,15 @@ def test_plots_have_honest_axes_and_a_negative_kl_is_flagged():
              "eval/win_rate": 0.55, "eval/kl": -0.14, "eval/gold_win_rate": 0.5},
             {"iteration": 2, "eval/fluency_nll": 5.985, "eval/ref_fluency_nll": 5.97,
              "eval/win_rate": 0.60, "eval/kl": 0.3, "eval/gold_win_rate": 0.52}]
-    fluency = report_plots._series_plot(rows, "f", "nats", (("eval/fluency_nll", "p"),), (),
+    fluency = report_plots.series_plot(rows, "f", "nats", (("eval/fluency_nll", "p"),), (),
                                         report_plots.LIMITS["fluency"])
     low, high = fluency.axes[0].get_ylim()
     assert low == 0.0 and high > 5.985           # noise of 0.02 nats is drawn flat
-    wins = report_plots._series_plot(rows, "w", "rate", (("eval/win_rate", "judge"),), (),
+    wins = report_plots.series_plot(rows, "w", "rate", (("eval/win_rate", "judge"),), (),
                                      report_plots.LIMITS["win_rates"])
     assert wins.axes[0].get_ylim() == (0.0, 1.0)
-    kl = report_plots._reward_vs_kl(rows)
+    kl = report_plots.reward_vs_kl(rows)
     assert "k1" in kl.axes[0].get_xlabel()
     assert any("KL < 0" in t.get_text() for t in kl.axes[0].texts)
-    assert report._kl_cell(rows[0]) == "-0.14 (< 0: noise of the k1 estimate)"
-    assert report._kl_cell(rows[1]) == "0.30"
+    assert report.kl_cell(rows[0]) == "-0.14 (< 0: noise of the k1 estimate)"
+    assert report.kl_cell(rows[1]) == "0.30"

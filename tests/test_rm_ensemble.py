@@ -208,7 +208,7 @@ def test_queue_ranks_by_disagreement_then_samples_the_rest() -> None:
     again = audit.build_queue(pairs, margins, labels, 3, 2, stage.generator(0, 6, 1))
     assert again == queue                                     # seeded
     # a queue line with a verdict added is itself a valid label
-    label = audit._label({**queue[0], "verdict": "swap"}, "queue:1")
+    label = audit.parse_label({**queue[0], "verdict": "swap"}, "queue:1")
     assert (label.pair_id, label.reason) == (queue[0]["pair_id"], "disagreement")
 
 

@@ -438,7 +438,7 @@ def test_draw_never_picks_a_zero_probability_token() -> None:
     # uniforms at the very top of [0, 1) still land on the last token holding mass
     cdf = torch.tensor([[0.2, 0.7, 1.0, 1.0, 1.0]], dtype=torch.float64)
     top = torch.tensor([1.0], dtype=torch.float64)
-    assert int(sampling._first_above(cdf, top)) == 2
+    assert int(sampling.first_above(cdf, top)) == 2
 
 
 # --- SmolLM2's real tokenizer: chat-rendered prompts, pad = eos --------------------------------

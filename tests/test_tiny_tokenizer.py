@@ -73,7 +73,7 @@ def test_extracted_tokenizer_is_cached_by_the_ggufs_md5(tmp_path: Path,
 
     def no_extraction(path: Path) -> None:
         raise AssertionError("extracted again")
-    monkeypatch.setattr(tiny_model, "_extract", no_extraction)
+    monkeypatch.setattr(tiny_model, "extract_tokenizer_files", no_extraction)
     again = tiny_model.tokenizer(tmp_path)
     assert again.get_vocab() == first.get_vocab() and again.chat_template == first.chat_template
     assert again(JAWS, add_special_tokens=False)["input_ids"] == JAWS_IDS

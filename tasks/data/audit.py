@@ -62,7 +62,7 @@ def pair_id(pair: PreferencePair) -> str:
     return hashlib.md5(key.encode("utf-8")).hexdigest()
 
 
-def _label(rec: dict[str, Any], where: str) -> AuditLabel:
+def parse_label(rec: dict[str, Any], where: str) -> AuditLabel:
     for key in ("pair_id", "verdict"):
         if not isinstance(rec.get(key), str) or not rec[key]:
             raise DataError(f"{where}: field '{key}' must be a non-empty string")
@@ -111,7 +111,7 @@ def parse_labels(path: str | Path) -> dict[str, AuditLabel]:
     labels: dict[str, AuditLabel] = {}
     lines: dict[str, int] = {}
     for n, rec in jsonl.read(path):
-        label = _label(rec, f"{path}:{n}")
+        label = parse_label(rec, f"{path}:{n}")
         if label.pair_id in labels:
             raise DataError(f"{path}:{n}: pair_id {label.pair_id} already labelled at line "
                             f"{lines[label.pair_id]}; keep one verdict per pair")

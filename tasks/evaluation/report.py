@@ -81,7 +81,7 @@ def _flags_cell(row: Row) -> str:
     return "none" if any(k.startswith("eval/flag_") for k in row) else "—"
 
 
-def _kl_cell(row: Row) -> str:
+def kl_cell(row: Row) -> str:
     """The k1 estimate (mean log pi/ref over policy samples) is unbiased but noisy: on few
     samples it can come out below 0, which a true KL never is; such a value is flagged."""
     kl = value(row, "eval/kl")
@@ -116,7 +116,7 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str]], ...] = (
     ("gold vs champion [95% CI] (select)", _champion_cell),
     ("judge n / tie / invalid", _counts),
     ("RM WR [95% CI]", lambda r: _win_rate(r, "eval/rm_win_rate")),
-    ("KL k1 (nats)", _kl_cell),
+    ("KL k1 (nats)", kl_cell),
     ("RM held-out acc.", lambda r: _num(value(r, "rm/accuracy"))),
     ("on-topic policy / ref", _pair("eval/on_topic_rate", "eval/ref_on_topic_rate", 2)),
     ("reviews policy / ref", _pair("eval/review_rate", "eval/ref_review_rate", 2)),

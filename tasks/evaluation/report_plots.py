@@ -66,7 +66,7 @@ def _points(rows: Sequence[Row], x: str, y: str) -> list[tuple[Any, Any, Any, An
              r["iteration"]) for r in rows if _at(r, x) is not None and value(r, y) is not None]
 
 
-def _series_plot(rows: Sequence[Row], title: str, ylabel: str, series: Sequence[Series],
+def series_plot(rows: Sequence[Row], title: str, ylabel: str, series: Sequence[Series],
                  suspects: Sequence[int], limits: tuple[float, float | None]) -> Any | None:
     fig, ax = _axes(title, "iteration", ylabel)
     drawn = False
@@ -90,7 +90,7 @@ def _series_plot(rows: Sequence[Row], title: str, ylabel: str, series: Sequence[
     return fig
 
 
-def _reward_vs_kl(rows: Sequence[Row]) -> Any | None:
+def reward_vs_kl(rows: Sequence[Row]) -> Any | None:
     fig, ax = _axes("Reward vs KL to the reference", KL_LABEL, "win rate vs the reference")
     drawn = False
     for key, label in (("eval/rm_win_rate", "RM win rate"), (GOLD, "gold win rate")):
@@ -123,10 +123,10 @@ def _reward_vs_kl(rows: Sequence[Row]) -> Any | None:
 
 def render_plots(rows: Sequence[Row], suspects: Sequence[int]) -> dict[str, bytes]:
     """name -> PNG bytes, for each plot that has data."""
-    figs = {name: _series_plot(rows, title, ylabel, series,
+    figs = {name: series_plot(rows, title, ylabel, series,
                                suspects if name == "win_rates" else (), LIMITS[name])
             for name, title, ylabel, series in PLOTS}
-    figs["reward_vs_kl"] = _reward_vs_kl(rows)
+    figs["reward_vs_kl"] = reward_vs_kl(rows)
     out = {}
     for name, fig in figs.items():
         if fig is not None:

@@ -39,7 +39,7 @@ class Sample:
 
 
 # -- the exact sampler ---------------------------------------------------------------------------
-def _first_above(cdf: Tensor, target: Tensor) -> Tensor:
+def first_above(cdf: Tensor, target: Tensor) -> Tensor:
     """Per row, the first index with cdf > target, capped at the last index holding mass (so
     that a target rounded past the total never lands on a zero-probability entry).
     cdf: (B, N) non-decreasing; target: (B,). Returns (B,) long."""
@@ -61,11 +61,11 @@ def _draw_full(logits: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     cdf = mass.cumsum(-1)
     z = cdf[:, -1]                                                  # (B,) normaliser
     target = u * z                                                  # u ~ U[0, 1)
-    blk = _first_above(cdf, target)
+    blk = first_above(cdf, target)
     rest = target - (cdf.gather(1, blk[:, None]) - mass.gather(1, blk[:, None])).squeeze(-1)
     cols = blk[:, None] * BLOCK + torch.arange(BLOCK, device=blk.device)   # (B, BLOCK)
     inside = e.gather(1, cols.clamp(max=v - 1)).double().masked_fill_(cols >= v, 0.0)
-    tok = blk * BLOCK + _first_above(inside.cumsum(-1), rest)
+    tok = blk * BLOCK + first_above(inside.cumsum(-1), rest)
     logp = e.gather(1, tok[:, None]).squeeze(-1).double().log() - z.log()   # log p(tok)
     return tok, logp.float()
 
@@ -79,7 +79,7 @@ def _draw_nucleus(logits: Tensor, top_p: float, u: Tensor) -> tuple[Tensor, Tens
     before = cdf - p_sorted                                         # mass ranked above
     n_keep = (before <= top_p * cdf[:, -1:]).sum(-1)                # >= 1: before[0] = 0
     z = cdf.gather(1, (n_keep - 1)[:, None]).squeeze(-1)            # nucleus mass
-    j = torch.minimum(_first_above(cdf, u * z), n_keep - 1)
+    j = torch.minimum(first_above(cdf, u * z), n_keep - 1)
     tok = order.gather(1, j[:, None]).squeeze(-1)
     logp = p_sorted.gather(1, j[:, None]).squeeze(-1).double().log() - z.log()
     return tok, logp.float()

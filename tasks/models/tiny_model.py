@@ -30,16 +30,16 @@ def tokenizer(cache_dir: Path | None = None) -> transformers.PreTrainedTokenizer
     if cache_dir is None and os.environ.get(CACHE_ENV):
         cache_dir = Path(os.environ[CACHE_ENV])
     if cache_dir is None:
-        return _extract(gguf)
+        return extract_tokenizer_files(gguf)
     saved = Path(cache_dir) / f"smollm2-tokenizer-{file_md5(gguf)}"
     if not (saved / "tokenizer.json").is_file():
-        tok = _extract(gguf)
+        tok = extract_tokenizer_files(gguf)
         with atomic.directory(saved) as tmp:         # concurrent writers: the last one wins
             tok.save_pretrained(tmp)
     return transformers.AutoTokenizer.from_pretrained(saved)
 
 
-def _extract(gguf: Path) -> transformers.PreTrainedTokenizerBase:
+def extract_tokenizer_files(gguf: Path) -> transformers.PreTrainedTokenizerBase:
     tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not tok.chat_template or tok.eos_token_id is None:
         raise ValueError(f"{gguf}: no chat template or EOS token in its tokenizer")

@@ -30,7 +30,7 @@ from tasks.runtime.distributed import SINGLE, Group, record_losses
 from tasks.schemas.update import DPOParams
 
 
-def _pair_logprobs(model: torch.nn.Module, batch: Sequence[EncodedPair], pad_id: int,
+def pair_logprobs(model: torch.nn.Module, batch: Sequence[EncodedPair], pad_id: int,
                    per_token_mean: bool = False) -> tuple[Tensor, Tensor]:
     """Completion log-probs of chosen and rejected, each (B,), one forward pass in which each
     pair's prompt is computed once for both sides (`lm.pack`): summed over the completion's
@@ -54,7 +54,7 @@ def reference_logprobs(ref: torch.nn.Module, pairs: Sequence[EncodedPair], pad_i
     device = device_of(ref)
     for j, s in enumerate(range(0, len(pairs), batch_size)):
         chunk = pairs[s: s + batch_size]
-        c, r = (_pair_logprobs(ref, chunk, pad_id, per_token_mean) if group.owns(j)
+        c, r = (pair_logprobs(ref, chunk, pad_id, per_token_mean) if group.owns(j)
                 else (None, None))
         chosen.append(group.share(c, len(chunk), j, device))
         rejected.append(group.share(r, len(chunk), j, device))
@@ -68,7 +68,7 @@ def _batch_terms(policy: torch.nn.Module, pairs: Sequence[EncodedPair], idx: Ten
     `idx` (on the CPU: the generator's order), each (B,)."""
     mean_lp = p.loss in LENGTH_NORMALISED_LOSSES
     with lm.autocast(p.precision, device_of(policy)):
-        pi_c, pi_r = _pair_logprobs(policy, [pairs[i] for i in idx.tolist()], pad_id, mean_lp)
+        pi_c, pi_r = pair_logprobs(policy, [pairs[i] for i in idx.tolist()], pad_id, mean_lp)
     at = idx.to(ref_c.device)
     per_pair = DPO_LOSSES[p.loss](pi_c, pi_r, ref_c[at], ref_r[at], p.beta, p.label_smoothing)
     nll = -pi_c if mean_lp else -pi_c / torch.tensor(

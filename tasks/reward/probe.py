@@ -40,7 +40,7 @@ def features_at_depths(model: transformers.PreTrainedModel, prompts: Sequence[Se
                                     pooling) for d in depths], dim=1)
 
 
-def _probe_fit(diff: Tensor, l2: float) -> Tensor:
+def probe_fit(diff: Tensor, l2: float) -> Tensor:
     """The probe's weights on chosen-minus-rejected features `diff` (N, H), in the features'
     own units: fitted on them standardised by their std (so one L2 fits any width), both
     orientations of each pair (so no bias is needed)."""
@@ -70,7 +70,7 @@ def probe_cv(diff: Tensor, prompts: Sequence[Sequence[int]], grid: Sequence[floa
             out = fold == k
             if not bool(out.any()) or bool(out.all()):
                 continue
-            m = diff[out] @ _probe_fit(diff[~out], l2)
+            m = diff[out] @ probe_fit(diff[~out], l2)
             loss += float(torch.nn.functional.softplus(-m).sum())
             correct += float((m > 0).sum())
         losses[l2], accuracy[l2] = loss / len(diff), correct / len(diff)
@@ -165,7 +165,7 @@ def fit_probe_head(model: transformers.PreTrainedModel, train: Sequence[EncodedP
         l2, cv = choose_probe_l2(diff, [e.prompt_ids for e in train], p.probe_l2_grid,
                                  PROBE_FOLDS)
         out["probe_cv_accuracy"] = cv[l2]
-    w = _probe_fit(diff, l2)
+    w = probe_fit(diff, l2)
     with torch.no_grad():
         model.score.weight.copy_(w[None].to(model.score.weight.dtype))
     return {"probe_train_accuracy": float((diff @ w > 0).float().mean()),

@@ -206,7 +206,7 @@ def heldout_split(pairs: Sequence[PreferencePair], fraction: float
     return train, held
 
 
-def _margins(model: RewardModel, batch: Sequence[EncodedPair], pad_id: int,
+def member_margins(model: RewardModel, batch: Sequence[EncodedPair], pad_id: int,
              pooling: str = "last") -> Tensor:
     """r_k(x, y_c) - r_k(x, y_r) per member, shape (K, B); differentiable."""
     r_c, r_r = member_pair_rewards(model, batch, pad_id, pooling)
@@ -221,7 +221,7 @@ def pair_margins(model: RewardModel, data: Sequence[EncodedPair], pad_id: int,
     k = len(model) if isinstance(model, RewardEnsemble) else 1
     if not data:
         return torch.zeros(k, 0, device=device_of(model))
-    return torch.cat([_margins(model, data[s: s + batch_size], pad_id)
+    return torch.cat([member_margins(model, data[s: s + batch_size], pad_id)
                       for s in range(0, len(data), batch_size)], dim=1)
 
 
@@ -264,7 +264,7 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
             loss = torch.zeros((), device=device)
             if shard:
                 with lm.autocast(p.precision, device):
-                    margins = _margins(model, shard, pad_id, p.pooling)[0]        # (B,)
+                    margins = member_margins(model, shard, pad_id, p.pooling)[0]        # (B,)
                 per_pair = bradley_terry_margin_loss(margins, torch.zeros_like(margins),
                                                      p.margin)   # -log sigma(r_c - r_r - m)
                 loss = group.batch_loss(per_pair, len(batch))
