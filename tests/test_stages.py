@@ -23,7 +23,7 @@ from tasks.core import jsonl, layout
 from tasks.data.records import PreferencePair, parse_pair, parse_rollout
 from tasks.judging.judges import LexiconJudge
 from tasks.models import lm
-from tasks.reward import reward_model
+from tasks.reward import features, reward_model
 from tasks.runtime import stage
 from tasks.stages import (
     collect_offpolicy,
@@ -325,7 +325,7 @@ def test_train_rm_chooses_the_probes_depth_and_saves_that_model(ws: Workspace, t
     m = again.metrics(layout.metrics(1, "train_rm"))
     assert m["rm/num_layers"] in (1.0, 2.0) and m["rm/depth_cv_loss"] > 0
     saved = reward_model.load_reward_model(again.path(layout.reward_model(1)))
-    assert [reward_model.depth(x) for x in saved.members] == [int(m["rm/num_layers"])] * ensemble
+    assert [features.depth(x) for x in saved.members] == [int(m["rm/num_layers"])] * ensemble
     initial = ws.weights(layout.policy(0))
     for member in saved.members:
         block = {k: v for k, v in member.state_dict().items() if ".layers.0." in k}
