@@ -241,6 +241,10 @@ def init(root: Path) -> bool:
             conf["core"]["analytics"] = False
             conf["core"]["autostage"] = False
             conf["core"]["remote"] = REMOTE
+            # the workspace's outputs are hard links to the cache's one copy (read-only: DVC
+            # protects them), not a second copy of every model, where the filesystem links
+            if _links(root):
+                conf["cache"]["type"] = "hardlink"
             # relative: DVC writes it relative to .dvc/ and resolves it against .dvc/, so a
             # copy or a clone of the workspace pushes into its own remote, not this one's
             conf["remote"][REMOTE] = {"url": str(ws.dvc_remote.relative_to(root))}
@@ -261,6 +265,23 @@ def init(root: Path) -> bool:
         atomic.write_text(readme, "Put your own preference pairs here (JSONL or a saved HF "
                                   "datasets directory) and set offpolicy.source: import.\n")
     return created
+
+
+def _links(root: Path) -> bool:
+    """Hard links work between the workspace and its DVC cache (.dvc/cache, inside it). DVC
+    relinks a freshly produced output only when `hardlink` is its first cache type (it cannot
+    tell a reflink from a copy, so `reflink,hardlink,copy` leaves repro's outputs as copies),
+    and with `hardlink` alone it fails where links do not work: so it is set only where they
+    do."""
+    import tempfile
+    with tempfile.TemporaryDirectory(dir=root / ".dvc") as tmp:
+        src = Path(tmp) / "a"
+        src.write_bytes(b"")
+        try:
+            os.link(src, Path(tmp) / "b")
+        except OSError:
+            return False
+    return True
 
 
 def _relative_remote(root: Path) -> None:
