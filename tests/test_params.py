@@ -301,3 +301,31 @@ def test_offpolicy_mix_profiles_say_auto() -> None:
     from tasks.config.profiles import read_profile
     for path in PROFILES:                                    # as written, in it or its base
         assert read_profile(path).data["update"]["dpo"]["offpolicy_mix"] == "auto", path.name
+
+
+# --- update.lora: off unless r > 0, and refused until the stages load adapters -----------------
+
+def test_lora_left_out_is_off() -> None:
+    lora = parse_params(BASE).update.lora
+    assert lora.r == 0 and lora.alpha > 0 and "q_proj" in lora.target_modules
+
+
+@pytest.mark.parametrize("lines, expected", [
+    ("    r: -1\n", "10: update.lora.r: must be >= 0 (0 = off: a full fine-tune), got -1"),
+    ("    alpha: 0\n", "10: update.lora.alpha: must be > 0, got 0.0"),
+    ("    dropout: 1.0\n", "10: update.lora.dropout: must be in [0, 1), got 1.0"),
+    ("    target_modules: []\n", "10: update.lora.target_modules: expected a non-empty list"),
+    ("    target_modules: [q_proj, q_proj]\n", "10: update.lora.target_modules: must be "
+     "distinct, non-empty module names, got ['q_proj', 'q_proj']"),
+    ("    r: 8\n", "10: update.lora.r: LoRA adapters are not wired into the stages yet (update, "
+     "rollout and evaluate would train and load the full model); leave update.lora out or set "
+     "r: 0"),
+], ids=["r-negative", "alpha-zero", "dropout-one", "no-modules", "module-twice", "r-not-wired"])
+def test_lora_out_of_range(tmp_path: Path, lines: str, expected: str) -> None:
+    path = write(tmp_path, BASE.replace("update:\n", "update:\n  lora:\n" + lines))
+    assert load_error(path) == f"{path}:{expected}"
+
+
+def test_lora_section_with_r_0_loads(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE.replace("update:\n", "update:\n  lora:\n    r: 0\n    alpha: 8\n"))
+    assert load_params(path).update.lora.alpha == 8.0

@@ -32,7 +32,14 @@ from tasks.schemas.prompts import PromptParams  # noqa: F401
 from tasks.schemas.rollout import RolloutParams  # noqa: F401
 from tasks.schemas.targets import TargetParams  # noqa: F401
 from tasks.schemas.train_rm import TrainRMParams  # noqa: F401
-from tasks.schemas.update import DPOParams, KLBudgetParams, PPOParams, ReuseParams, UpdateParams  # noqa: F401
+from tasks.schemas.update import (  # noqa: F401
+    DPOParams,
+    KLBudgetParams,
+    LoraParams,
+    PPOParams,
+    ReuseParams,
+    UpdateParams,
+)
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,7 @@ def _check_ranges(p: Params, b: _Builder) -> None:
         b.fail(("train_rm", "heldout_fraction"), "must be in (0, 1)")
     _check_dpo_and_rm(p, b)
     _check_ppo(p, b)
+    _check_lora(p, b)
     _check_judge(p, b)
     if p.model.source == "hf_dir" and not p.model.path:
         b.fail(("model", "path"), "model.source is hf_dir but model.path is empty")
@@ -343,6 +351,23 @@ def _check_ppo(p: Params, b: _Builder) -> None:
                f"got {list(r.truncate)}")
     if r.max_staleness < 1:
         b.fail(path + ("reuse", "max_staleness"), "must be >= 1")
+
+
+def _check_lora(p: Params, b: _Builder) -> None:
+    lo, path = p.update.lora, ("update", "lora")
+    if lo.r < 0:
+        b.fail(path + ("r",), f"must be >= 0 (0 = off: a full fine-tune), got {lo.r}")
+    if lo.alpha <= 0:
+        b.fail(path + ("alpha",), f"must be > 0, got {lo.alpha}")
+    if not 0.0 <= lo.dropout < 1.0:
+        b.fail(path + ("dropout",), f"must be in [0, 1), got {lo.dropout}")
+    names = list(lo.target_modules)
+    if not all(names) or len(set(names)) != len(names):
+        b.fail(path + ("target_modules",), f"must be distinct, non-empty module names, got {names}")
+    if lo.r > 0:          # groundwork: tasks/models/adapters.py exists, the stages do not call it
+        b.fail(path + ("r",), "LoRA adapters are not wired into the stages yet (update, rollout "
+               "and evaluate would train and load the full model); leave update.lora out or "
+               "set r: 0")
 
 
 def prev_of(params: Any, it: int) -> int:

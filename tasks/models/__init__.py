@@ -1,3 +1,3 @@
 """Language models: loading, packing, the sampler and its log-probs, conversion from GGUF, the
-tiny model, the MLflow model files and model cards. Imports the floors below (core, config,
-data, runtime, schemas)."""
+tiny model, the MLflow model files and model cards, LoRA adapters. Imports the floors below
+(core, config, data, runtime, schemas)."""

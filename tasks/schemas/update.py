@@ -83,6 +83,22 @@ class PPOParams:
 
 
 @dataclass(frozen=True)
+class LoraParams:
+    """LoRA adapters (PEFT, tasks/models/adapters.py): the policy trains low-rank updates of the
+    named linear layers while its base weights stay frozen. r = 0 (the default, or the section
+    left out) trains every weight, as before. No stage reads it yet: r > 0 is refused at load
+    time until the update, rollout and evaluation load adapters."""
+    r: int = 0                      # adapter rank (0 = off: every weight of the policy trains);
+                                    #   no stage reads it yet, so r > 0 is refused
+    alpha: float = 16.0             # LoRA's alpha: the adapter's update B A is scaled by alpha / r
+    dropout: float = 0.0            # dropout on the adapter's input while training, in [0, 1)
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj",
+                                       "gate_proj", "up_proj", "down_proj")  # the linear
+                                    #   layers that get an adapter, by module name (default:
+                                    #   the attention and MLP projections of Llama and Qwen2)
+
+
+@dataclass(frozen=True)
 class UpdateParams:
     algo: Literal["dpo", "ppo"] = "dpo"  # dpo (on this iteration's pairs) | ppo (the RM's reward)
     reference: Literal["initial", "previous"] = "initial"  # initial (iteration 0's model) |
@@ -94,3 +110,5 @@ class UpdateParams:
     ppo: PPOParams = field(default_factory=PPOParams)
     kl_budget: KLBudgetParams = field(default_factory=KLBudgetParams)  # DPO: early stop at a KL
                                     #   target (PPO keeps its kl_coef and target_kl)
+    lora: LoraParams = field(default_factory=LoraParams)  # LoRA adapters instead of a full
+                                    #   fine-tune (r > 0)

@@ -1,0 +1,255 @@
+"""LoRA adapters for the policy (PEFT): attach one, use the base underneath it as the reference,
+save and load it beside the name and md5 of the base it was trained on, merge it for sampling.
+
+A LoRA policy trains low-rank updates W + (alpha / r) B A of the linear layers that
+`update.lora.target_modules` names, the base weights W frozen (Hu et al. 2021, "LoRA: Low-Rank
+Adaptation of Large Language Models"). B starts at zero, so a fresh adapter is the base model
+exactly. The base is still there under the adapter, so the `initial` reference is the policy
+with its adapter switched off (`ReferenceView`), not a second model in memory.
+
+A policy directory of a LoRA policy holds PEFT's two files (`adapter_config.json`,
+`adapter_model.safetensors`) and `alignloop_base.json`, which names the base model by its
+workspace-relative path and its weights' md5 (`lm.weights_md5`): `load_policy` loads that base,
+refuses it if its bytes changed, and puts the adapter on it.
+
+Groundwork: no stage calls this module yet (`update.lora.r > 0` is refused at load time).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import posixpath
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import peft
+import torch
+import transformers
+
+from tasks.core import atomic
+from tasks.models import lm
+from tasks.models.lm import ModelError
+from tasks.runtime.device import Device
+from tasks.schemas.update import LoraParams
+
+ADAPTER_CONFIG = "adapter_config.json"          # PEFT's: the adapter's shape and targets
+ADAPTER_WEIGHTS = "adapter_model.safetensors"   # PEFT's: the adapter's A and B matrices
+BASE_FILE = "alignloop_base.json"               # ours: {"base_path": ..., "base_md5": ...}
+ADAPTER = "default"                             # PEFT's name of a model's one adapter
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """PEFT asks transformers' deprecated `is_gradient_checkpointing` (a FutureWarning on every
+    wrap): not ours to act on, and no line for the stage's log."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                category=FutureWarning)
+        yield
+
+
+def lora_config(lp: LoraParams) -> peft.LoraConfig:
+    """PEFT's LoraConfig for `update.lora`: adapters on the named linear layers, biases frozen."""
+    return peft.LoraConfig(r=lp.r, lora_alpha=lp.alpha, lora_dropout=lp.dropout,
+                           target_modules=list(lp.target_modules), bias="none",
+                           task_type=peft.TaskType.CAUSAL_LM)
+
+
+def _check_targets(model: torch.nn.Module, lp: LoraParams) -> None:
+    """Every name in target_modules must end the name of a linear layer of `model`, as PEFT
+    matches them (PEFT itself fails only when none does: a misspelt one would get no adapter)."""
+    linear = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    missing = [t for t in lp.target_modules
+               if not any(name == t or name.endswith("." + t) for name in linear)]
+    if missing:
+        kinds = sorted({name.rsplit(".", 1)[-1] for name in linear})
+        raise ModelError(f"update.lora.target_modules: {missing} name no linear layer of "
+                         f"{type(model).__name__} (its linear layers: {kinds})")
+
+
+def attach(model: transformers.PreTrainedModel, lp: LoraParams,
+           rng: torch.Generator) -> peft.PeftModel:
+    """`model` wrapped with a fresh LoRA adapter (`update.lora`, r > 0): only the adapter's
+    parameters require grad. PEFT injects the adapter layers into `model` itself and freezes its
+    weights; use the returned wrapper from then on.
+
+    PEFT draws A (Kaiming-uniform) from torch's global generator and takes none of its own, so
+    the init runs under a forked global RNG seeded from `rng`: the same `rng` state gives the
+    same adapter, and the caller's global RNG state is left as it was. B is zero: the wrapped
+    model computes exactly what `model` did."""
+    if lp.r <= 0:
+        raise ValueError(f"update.lora.r is {lp.r}: LoRA is off, there is no adapter to attach")
+    _check_targets(model, lp)
+    seed = int(torch.randint(0, 2**62, (1,), generator=rng))
+    devices = [d for d in {q.device for q in model.parameters()} if d.type == "cuda"]
+    with torch.random.fork_rng(devices=devices), _quiet():
+        torch.manual_seed(seed)
+        wrapped = peft.get_peft_model(model, lora_config(lp), adapter_name=ADAPTER)
+    return wrapped
+
+
+@contextlib.contextmanager
+def _as_reference(policy: peft.PeftModel) -> Iterator[None]:
+    """The policy's adapter off and every module in eval mode for the block; afterwards each
+    module's mode and each parameter's requires_grad as they were (PEFT's enable_adapter_layers,
+    on leaving disable_adapter, marks the active adapter trainable even when it was loaded
+    frozen for inference)."""
+    modes = [(m, m.training) for m in policy.modules()]
+    grads = [(q, q.requires_grad) for q in policy.parameters()]
+    policy.eval()
+    try:
+        with policy.disable_adapter():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        for q, requires_grad in grads:
+            q.requires_grad_(requires_grad)
+
+
+class ReferenceView(torch.nn.Module):
+    """The base model under a LoRA policy, as a reference module: its forward runs the policy
+    with the adapter off, in eval mode, without grad. No second model: the policy's own base
+    weights, which the adapter's training never changes.
+
+    What `train_dpo`, `train_ppo`, `KLGuard` and `lm.packed_logprobs` touch is the policy's:
+    `config` (its attention implementation), `dtype`, and `parameters()`, which yields the
+    base's frozen weights only (never the adapter's, so freezing "the reference's parameters"
+    cannot freeze the policy's adapter). The policy is not a submodule: `ref.eval()` or
+    `ref.to(...)` leave it alone."""
+
+    def __init__(self, policy: peft.PeftModel) -> None:
+        super().__init__()
+        object.__setattr__(self, "policy", policy)     # not registered: a view, not an owner
+
+    @property
+    def config(self) -> transformers.PretrainedConfig:
+        return self.policy.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.policy.get_base_model().dtype
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True
+                         ) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The base model's parameters (frozen), without the adapter's."""
+        tag = self.policy.base_model.prefix                              # "lora_"
+        for name, q in self.policy.named_parameters(prefix, recurse, remove_duplicate):
+            if tag not in name:
+                yield name, q
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The policy's forward with its adapter off: the base model's outputs."""
+        with torch.no_grad(), _as_reference(self.policy):
+            return self.policy(*args, **kwargs)
+
+
+def _relative(path: str) -> bool:
+    """A workspace-relative POSIX path that stays inside the workspace."""
+    norm = posixpath.normpath(path) if path else ""
+    return bool(norm) and not path.startswith(("/", "~", "\\")) and \
+        norm != ".." and not norm.startswith("../") and "\\" not in path
+
+
+def save_adapter(model: peft.PeftModel, out_dir: str | Path, base_path: str,
+                 base_md5: str) -> None:
+    """The adapter only (PEFT's adapter_config.json and adapter_model.safetensors) and
+    alignloop_base.json naming its base, into `out_dir` (made if missing; a stage writes into
+    `atomic.directory`, as for a full model). base_path: the base model's directory relative to
+    the workspace, as DVC names it (e.g. models/iter_0/policy); base_md5: `lm.weights_md5` of
+    that directory, which `load_policy` checks.
+
+    The same adapter gives the same bytes: adapter_config.json names the base by base_path (PEFT
+    would write the absolute path it was loaded from) and lists target_modules sorted (PEFT
+    writes them from a set, in an order that changes with PYTHONHASHSEED); PEFT's README.md
+    (a card naming that absolute path) is not kept: the stage writes the model card."""
+    if not _relative(base_path):
+        raise ValueError(f"base_path {base_path!r} must be relative to the workspace")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = model.peft_config[ADAPTER]
+    named = config.base_model_name_or_path
+    config.base_model_name_or_path = base_path
+    try:
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".peft-") as tmp:
+            model.save_pretrained(tmp, selected_adapters=[ADAPTER], save_embedding_layers=False)
+            os.replace(Path(tmp) / ADAPTER_WEIGHTS, out_dir / ADAPTER_WEIGHTS)
+            saved = json.loads((Path(tmp) / ADAPTER_CONFIG).read_text())
+    finally:
+        config.base_model_name_or_path = named
+    saved["target_modules"] = sorted(saved["target_modules"])
+    atomic.write_json(out_dir / ADAPTER_CONFIG, saved)
+    atomic.write_json(out_dir / BASE_FILE, {"base_path": base_path, "base_md5": base_md5})
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """Whether a policy directory holds a LoRA adapter (PEFT's adapter_config.json) rather than
+    a full model."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def read_base(adapter_dir: str | Path) -> tuple[str, str]:
+    """The base an adapter directory names: (workspace-relative path, weights md5); a missing
+    or malformed alignloop_base.json is a ModelError naming the file and the field."""
+    file = Path(adapter_dir) / BASE_FILE
+    if not file.is_file():
+        raise ModelError(f"{file}: missing (an adapter directory names its base model there; "
+                         "save_adapter writes it)")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{file}: not a JSON object ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{file}: not a JSON object")
+    for key in ("base_path", "base_md5"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise ModelError(f"{file}: {key}: expected a non-empty string, got "
+                             f"{data.get(key)!r}")
+    if not _relative(data["base_path"]):
+        raise ModelError(f"{file}: base_path: {data['base_path']!r} is not relative to the "
+                         "workspace")
+    return data["base_path"], data["base_md5"]
+
+
+def load_policy(adapter_dir: str | Path, root: str | Path, device: Device = "cpu", *,
+                trainable: bool = False) -> peft.PeftModel:
+    """Base + adapter: the base that `adapter_dir`'s alignloop_base.json names (under the
+    workspace `root`, fp32, on `device`), refused in one line if its weights' md5 is not the
+    recorded one, with the saved adapter on it. trainable: the adapter's parameters require grad
+    (training continues from it; the base stays frozen); else all frozen, in eval mode
+    (inference: `merged(..., in_place=True)` for the fast sampler)."""
+    file = Path(adapter_dir) / BASE_FILE
+    base_path, base_md5 = read_base(adapter_dir)
+    base_dir = Path(root) / base_path
+    try:
+        lm.check_model_dir(base_dir)
+        actual = lm.weights_md5(base_dir)
+    except ModelError as e:
+        raise ModelError(f"{file}: base_path: {e}") from None
+    if actual != base_md5:
+        raise ModelError(f"{file}: base_md5: {base_md5} recorded, but the weights in "
+                         f"{base_path} have md5 {actual} (the adapter was trained on another "
+                         "base)")
+    base = lm.load_causal_lm(base_dir, device)
+    with _quiet():
+        model = peft.PeftModel.from_pretrained(base, str(adapter_dir), adapter_name=ADAPTER,
+                                               is_trainable=trainable,
+                                               torch_device=str(device))
+    return model.to(device).eval()
+
+
+def merged(model: peft.PeftModel, *, in_place: bool = False) -> transformers.PreTrainedModel:
+    """A plain model (e.g. a LlamaForCausalLM the fast sampler takes) with the adapter merged
+    into its weights, W + (alpha / r) B A, in eval mode. Merges into a copy, leaving `model`
+    (adapter and all) as it was; in_place: merges `model` itself and unwraps it (no copy: for a
+    model loaded for inference only, which is not used as a PeftModel after)."""
+    target = model if in_place else copy.deepcopy(model)
+    with _quiet():
+        plain = target.merge_and_unload(safe_merge=True)
+    return plain.eval()
