@@ -5,10 +5,12 @@ downloads anything (the offline switches are set for every process the tests sta
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -138,3 +140,16 @@ def ray_address() -> object:
     from tasks.runtime import ray_pool
     with ray_pool.cluster(2):
         yield ray.get_runtime_context().gcs_address
+
+
+def runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """ast.walk, less the bodies of `if TYPE_CHECKING:` blocks (imports there never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                todo.extend(child.orelse)
+            else:
+                todo.append(child)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from conftest import runtime_nodes
 from tasks.config.profiles import read_profile
 from tasks.core import layout
 from tasks.runtime.stage import Contract
@@ -46,26 +47,13 @@ def _module(dotted: str) -> str:
     return "/".join(dotted.split(".")[1:])
 
 
-def _runtime_nodes(tree: ast.AST):
-    """ast.walk, less the bodies of `if TYPE_CHECKING:` blocks."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                todo.extend(child.orelse)
-            else:
-                todo.append(child)
-
-
 def imports_in(source: str) -> set[str]:
     """tasks modules a Python source imports anywhere (function-level imports included), as
     paths under tasks/ without .py. The packages' __init__ files hold no code
     (test_packages_hold_no_code) and are not deps; imports under `if TYPE_CHECKING:` never
     run and are not deps either."""
     out: set[str] = set()
-    for node in _runtime_nodes(ast.parse(source)):
+    for node in runtime_nodes(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if node.module == "tasks" or node.module.startswith("tasks."):
                 for a in node.names:                         # from tasks.room import a, b

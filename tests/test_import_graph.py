@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import runtime_nodes
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("tasks", "flows", "benchmarks")
 
@@ -37,24 +39,11 @@ def modules() -> dict[str, Path]:
             if "__pycache__" not in p.parts}
 
 
-def _runtime_nodes(tree: ast.AST):
-    """ast.walk, less the bodies of `if TYPE_CHECKING:` blocks."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                todo.extend(child.orelse)
-            else:
-                todo.append(child)
-
-
 def imports_of(source: str, known: set[str] | dict[str, Path]) -> set[str]:
     """The project modules a source imports (any depth, any form), as dotted names; a package
     imported for its modules (`from tasks.core import atomic`) counts as those modules."""
     out: set[str] = set()
-    for node in _runtime_nodes(ast.parse(source)):
+    for node in runtime_nodes(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if node.module.split(".")[0] not in PACKAGES:
                 continue
@@ -167,7 +156,7 @@ def test_libraries_never_import_flows_or_prefect() -> None:
     for m, p in modules().items():
         if not m.startswith("tasks."):
             continue
-        for node in _runtime_nodes(ast.parse(p.read_text())):
+        for node in runtime_nodes(ast.parse(p.read_text())):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
             wrong += [f"{m}: {n}" for n in names if n.split(".")[0] in ("flows", "prefect")]
