@@ -1,4 +1,4 @@
-"""Test isolation: every Prefect, MLflow and DVC store lives in this session's temp dirs.
+"""Test isolation: every Prefect, MLflow and DVC store lives in the pytest run's temp dirs.
 
 No test touches the user's ~/.prefect, an MLflow server, or a DVC site cache; no test
 downloads anything (the offline switches are set for every process the tests start).

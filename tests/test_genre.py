@@ -21,7 +21,7 @@ from tasks.evaluation.genre import read_examples, sentences  # noqa: E402
 from tasks.evaluation.gold import GoldEvaluator, GoldScore, gold_verdict  # noqa: E402
 
 LABELS = ROOT / "benchmarks/data/genre_labels.jsonl"
-# the letters and replies the issue found the default policy writing instead of reviews
+# the letters and replies the default policy was found writing instead of reviews
 HACKS = ["Dear Hugging Face, I hope this message finds you well and benefited from your "
          "recommendations. The General is a timeless gem.",
          "I'm thrilled to share some thoughts about Peter Pan! Please tell me what you think. "
