@@ -253,7 +253,8 @@ def test_save_and_load_round_trip(tmp_path: Path, arch: str) -> None:
 
 def test_adapter_size_against_the_base(tmp_path: Path, record_property: Callable) -> None:
     """Information only: at hidden 64 and a 64-token vocabulary the adapter is no small share
-    of the model (an adapter under 5% of its base holds at SmolLM2-135M's size, not at this one's)."""
+    of the model (an adapter under 5% of its base holds at SmolLM2-135M's size, not at this
+    one's)."""
     root, _, policy = _workspace(tmp_path, "llama")
     out = root / "adapter"
     adapters.save_adapter(policy, out, BASE_PATH, lm.weights_md5(root / BASE_PATH))
