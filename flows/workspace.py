@@ -241,15 +241,12 @@ def init(root: Path) -> bool:
             conf["core"]["analytics"] = False
             conf["core"]["autostage"] = False
             conf["core"]["remote"] = REMOTE
-            # the workspace's outputs are hard links to the cache's one copy (read-only: DVC
-            # protects them), not a second copy of every model, where the filesystem links
-            if _links(root):
-                conf["cache"]["type"] = "hardlink"
             # relative: DVC writes it relative to .dvc/ and resolves it against .dvc/, so a
             # copy or a clone of the workspace pushes into its own remote, not this one's
             conf["remote"][REMOTE] = {"url": str(ws.dvc_remote.relative_to(root))}
         created = True
     _relative_remote(root)
+    _link_cache(root)
     ignore = root / ".dvcignore"
     lines = ignore.read_text().splitlines() if ignore.is_file() else []
     missing = [x for x in DVCIGNORE if x not in lines]
@@ -267,21 +264,42 @@ def init(root: Path) -> bool:
     return created
 
 
-def _links(root: Path) -> bool:
-    """Hard links work between the workspace and its DVC cache (.dvc/cache, inside it). DVC
-    relinks a freshly produced output only when `hardlink` is its first cache type (it cannot
-    tell a reflink from a copy, so `reflink,hardlink,copy` leaves repro's outputs as copies),
-    and with `hardlink` alone it fails where links do not work: so it is set only where they
-    do."""
+def _link_cache(root: Path) -> None:
+    """The workspace's outputs as hard links to the cache's one copy (read-only: DVC protects
+    them), not a second copy of every model, where this machine's filesystem links: in
+    `.dvc/config.local`, this machine's, which git does not carry, so a clone on a filesystem
+    without links copies instead of failing. DVC relinks a fresh output only when `hardlink` is
+    its first cache type (it cannot tell a reflink from a copy: `reflink,hardlink,copy` left
+    repro's outputs as copies), and with `hardlink` alone it fails where links do not work: so
+    it is set only where they do. Checked at every run (a link and an unlink), written only
+    when it changes; a cache type a person set in .dvc/config is left alone."""
+    import configparser
+    import io
     import tempfile
+    shared, path = configparser.ConfigParser(), root / ".dvc" / "config.local"
+    shared.read(root / ".dvc" / "config")
+    if shared.has_option("cache", "type"):
+        return
     with tempfile.TemporaryDirectory(dir=root / ".dvc") as tmp:
-        src = Path(tmp) / "a"
-        src.write_bytes(b"")
+        (Path(tmp) / "a").write_bytes(b"")
         try:
-            os.link(src, Path(tmp) / "b")
+            os.link(Path(tmp) / "a", Path(tmp) / "b")
+            links = True
         except OSError:
-            return False
-    return True
+            links = False
+    conf = configparser.ConfigParser()
+    conf.read(path)
+    if (conf.get("cache", "type", fallback=None) == "hardlink") == links:
+        return
+    if not conf.has_section("cache"):
+        conf.add_section("cache")
+    if links:
+        conf.set("cache", "type", "hardlink")
+    else:
+        conf.remove_option("cache", "type")
+    text = io.StringIO()
+    conf.write(text)
+    atomic.write_text(path, text.getvalue())
 
 
 def _relative_remote(root: Path) -> None:

@@ -64,17 +64,22 @@ def _links_here(where: Path) -> bool:
     return True
 
 
+def _config_local(ws: Path) -> str:
+    path = ws / ".dvc" / "config.local"
+    return path.read_text() if path.is_file() else ""
+
+
 def _linking(ws: Path) -> None:
-    if "type = hardlink" not in (ws / ".dvc" / "config").read_text():
+    if "type = hardlink" not in _config_local(ws):
         pytest.skip("this filesystem has no hard links: the workspace copies")
 
 
 def test_new_workspaces_link_the_cache(tiny_run, tmp_path) -> None:
     """Where the filesystem links (the test's tmp directory: the same filesystem as the
-    workspace), the cache type is `hardlink` and every output is a read-only cache inode."""
+    workspace), the cache type is `hardlink`, in this machine's `.dvc/config.local`, and every
+    output is a read-only cache inode."""
     ws: Path = tiny_run["ws"]
-    conf = (ws / ".dvc" / "config").read_text()
-    assert ("type = hardlink" in conf) == _links_here(tmp_path / "probe")
+    assert ("type = hardlink" in _config_local(ws)) == _links_here(tmp_path / "probe")
     _linking(ws)
     files = _tracked_files(ws)
     assert files
@@ -112,3 +117,14 @@ def test_a_rerun_replaces_a_linked_output_and_the_cache_keeps_its_bytes(tiny_run
                             capture_output=True, text=True,
                             env={**os.environ, "DVC_NO_ANALYTICS": "1"})
     assert status.returncode == 0, status.stdout + status.stderr
+
+
+def test_a_clone_does_not_inherit_this_machines_link_type(tiny_run, tmp_path) -> None:
+    """The link type is this machine's (.dvc/config.local, which git does not carry): a clone
+    on a filesystem without hard links must not be told to link. The clone's own first run
+    decides for its machine."""
+    _linking(tiny_run["ws"])
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(tiny_run["ws"]), str(clone)], check=True)
+    assert "hardlink" not in (clone / ".dvc" / "config").read_text()
+    assert not (clone / ".dvc" / "config.local").exists()
