@@ -35,7 +35,8 @@ def send_heartbeats(engine: Any, join_on_exit: bool = True) -> Iterator[None]:
         yield
         return
     seconds = max(seconds, flow_engine.MINIMUM_HEARTBEAT_INTERVAL)
-    resource, related = engine._build_heartbeat_event_template()  # noqa: SLF001 (Prefect has no public API for it)
+    # Prefect has no public API for the heartbeat's event or its emission
+    resource, related = engine._build_heartbeat_event_template()  # noqa: SLF001
     stop = threading.Event()
 
     def loop() -> None:

@@ -16,13 +16,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks.config.profiles import SAFE_LOADER, ParamsError, Profile, Where, parse_text, read_profile  # noqa: F401  (the loader's, re-exported)
+# the loader's names, re-exported
+from tasks.config.profiles import (  # noqa: F401
+    SAFE_LOADER,
+    ParamsError,
+    Profile,
+    Where,
+    parse_text,
+    read_profile,
+)
 from tasks.core import layout
 
 # the schema, one module per section (tasks/schemas/), re-exported here for the flow, the tests
 # and the benchmarks, which load whole profiles. Modules in tasks/ import a class from its own
 # schema module: a stage's source deps hold the schemas of the sections it declares only.
-from tasks.schemas.evaluate import BestOfNParams, EvaluateParams, GoldParams, MonitorParams  # noqa: F401
+from tasks.schemas.evaluate import (  # noqa: F401
+    BestOfNParams,
+    EvaluateParams,
+    GoldParams,
+    MonitorParams,
+)
 from tasks.schemas.gate import GateParams  # noqa: F401
 from tasks.schemas.generation import GenerationParams  # noqa: F401
 from tasks.schemas.judge import JudgeParams  # noqa: F401

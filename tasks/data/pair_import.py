@@ -167,7 +167,7 @@ def _dataset_rows(path: Path, splits: str, label: str) -> Iterator[Row]:
     import datasets
     try:
         ds = datasets.load_from_disk(str(path))
-    except Exception as e:          # noqa: BLE001 (datasets raises several types for a bad directory)
+    except Exception as e:  # noqa: BLE001 (datasets raises several types for a bad dir)
         raise DataError(f"{label}: not a saved HF datasets directory ({e})") from None
     if isinstance(ds, datasets.DatasetDict):
         names = choose_splits(list(ds), splits, label)

@@ -29,7 +29,8 @@ if os.environ.get("ALIGNLOOP_CLI_PID") not in (None, str(os.getpid())):
     import signal as _signal
     _signal.signal(_signal.SIGINT, lambda *_: os._exit(128 + _signal.SIGINT))
 
-from tasks.config.params import Params, load_params, prev_of  # noqa: E402,F401 (prev_of: for stages)
+# prev_of: re-exported for the stages
+from tasks.config.params import Params, load_params, prev_of  # noqa: E402,F401
 from tasks.core import atomic, layout  # noqa: E402
 from tasks.core.errors import InputError  # noqa: E402
 
