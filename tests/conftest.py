@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import pytest
@@ -153,3 +153,18 @@ def runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
                 todo.extend(child.orelse)
             else:
                 todo.append(child)
+
+
+def project_imports(source: str, known: Collection[str]) -> set[str]:
+    """The modules of `known` (dotted names) a Python source imports, at any depth and in any
+    form, except under `if TYPE_CHECKING:` (never run); a package imported for its modules
+    (`from tasks.core import atomic`) counts as those modules."""
+    out: set[str] = set()
+    for node in runtime_nodes(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if sub in known else node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m for m in out if m in known}

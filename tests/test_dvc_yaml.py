@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import runtime_nodes
+from conftest import project_imports
 from tasks.config.profiles import read_profile
 from tasks.core import layout
 from tasks.runtime.stage import Contract
@@ -47,24 +47,16 @@ def _module(dotted: str) -> str:
     return "/".join(dotted.split(".")[1:])
 
 
+TASKS_MODULES = frozenset(".".join(p.relative_to(ROOT).with_suffix("").parts)
+                          for p in (ROOT / "tasks").rglob("*.py") if p.stem != "__init__")
+
+
 def imports_in(source: str) -> set[str]:
     """tasks modules a Python source imports anywhere (function-level imports included), as
     paths under tasks/ without .py. The packages' __init__ files hold no code
     (test_packages_hold_no_code) and are not deps; imports under `if TYPE_CHECKING:` never
     run and are not deps either."""
-    out: set[str] = set()
-    for node in runtime_nodes(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "tasks" or node.module.startswith("tasks."):
-                for a in node.names:                         # from tasks.room import a, b
-                    sub = _module(f"{node.module}.{a.name}")
-                    if (ROOT / "tasks" / f"{sub}.py").is_file():
-                        out.add(sub)
-                    elif node.module != "tasks":             # from tasks.room.x import z
-                        out.add(_module(node.module))
-        elif isinstance(node, ast.Import):                   # import tasks.x
-            out |= {_module(a.name) for a in node.names if a.name.startswith("tasks.")}
-    return out
+    return {_module(m) for m in project_imports(source, TASKS_MODULES)}
 
 
 @cache
@@ -260,8 +252,8 @@ def test_import_scanner_sees_every_import_form() -> None:
     assert "models/sampling" in closure(evaluate)
     assert "models/sampling" not in direct_imports(evaluate)
     assert "reward/probe" in direct_imports("stages/train_rm")
-    assert imports_in("if TYPE_CHECKING:\n    import tasks.core.a\nelse:\n    import tasks.core.b\n") \
-        == {"core/b"}
+    assert imports_in("if TYPE_CHECKING:\n    import tasks.core.atomic\nelse:\n"
+                      "    import tasks.core.layout\n") == {"core/layout"}
 
 
 # --- artifact paths ---------------------------------------------------------------------------

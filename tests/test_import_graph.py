@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import runtime_nodes
+from conftest import project_imports, runtime_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("tasks", "flows", "benchmarks")
@@ -39,26 +39,10 @@ def modules() -> dict[str, Path]:
             if "__pycache__" not in p.parts}
 
 
-def imports_of(source: str, known: set[str] | dict[str, Path]) -> set[str]:
-    """The project modules a source imports (any depth, any form), as dotted names; a package
-    imported for its modules (`from tasks.core import atomic`) counts as those modules."""
-    out: set[str] = set()
-    for node in runtime_nodes(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.split(".")[0] not in PACKAGES:
-                continue
-            for a in node.names:
-                sub = f"{node.module}.{a.name}"
-                out.add(sub if sub in known else node.module)
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
-    return {m for m in out if m in known}
-
-
 @cache
 def graph() -> dict[str, frozenset[str]]:
     mods = modules()
-    return {m: frozenset(imports_of(p.read_text(), mods) - {m}) for m, p in mods.items()}
+    return {m: frozenset(project_imports(p.read_text(), mods) - {m}) for m, p in mods.items()}
 
 
 def cycles(edges: dict[str, frozenset[str]]) -> list[list[str]]:
@@ -103,7 +87,7 @@ def test_the_scanner_sees_every_import_form_and_skips_type_checking() -> None:
            "def f():\n    from tasks.models.lm import load\n"
            "import flows.dag\n"
            "if TYPE_CHECKING:\n    from benchmarks import common\n")
-    assert imports_of(src, known) == {"tasks.core.atomic", "tasks.core.layout",
+    assert project_imports(src, known) == {"tasks.core.atomic", "tasks.core.layout",
                                       "tasks.models.lm", "flows.dag"}
 
 
