@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import peft
 import pytest
 import torch
 import transformers
@@ -341,3 +342,70 @@ def test_load_refuses_a_bad_base_file_in_one_line(tmp_path: Path, content: str |
     with pytest.raises(ModelError) as e:
         adapters.load_policy(out, root)
     assert str(e.value) == f"{file}: " + expected.format(root=root)
+
+
+def test_an_update_continues_from_the_saved_adapter_and_refuses_another_shape(
+        tmp_path: Path) -> None:
+    """start_policy: a full model gets a fresh adapter (B = 0: the model unchanged); a saved
+    adapter comes back trainable with its weights (iteration k continues from k-1's); an
+    adapter of another rank is refused in one line naming the file and the fields."""
+    root, plain, policy = _workspace(tmp_path, "llama")
+    fresh = adapters.start_policy(root / BASE_PATH, root, LORA, torch.Generator().manual_seed(1))
+    assert torch.equal(_logprobs(fresh)[0], _logprobs(plain)[0])
+    out = root / "models" / "iter_1" / "policy"
+    adapters.save_adapter(policy, out, BASE_PATH, lm.weights_md5(root / BASE_PATH))
+    resumed = adapters.start_policy(out, root, LORA, torch.Generator().manual_seed(1))
+    assert (_logprobs(resumed)[0] - _logprobs(policy)[0]).abs().max() <= 1e-6
+    assert {n for n, q in resumed.named_parameters() if q.requires_grad} == \
+        {n for n, q in policy.named_parameters() if q.requires_grad}
+    assert adapters.base_of(out, root) == adapters.base_of(root / BASE_PATH, root) == \
+        (BASE_PATH, lm.weights_md5(root / BASE_PATH))
+    with pytest.raises(ModelError) as e:
+        adapters.start_policy(out, root, LoraParams(r=8, alpha=8.0),
+                              torch.Generator().manual_seed(1))
+    assert str(e.value).startswith(f"{out / adapters.ADAPTER_CONFIG}: r, lora_alpha, "
+                                   "target_modules (4, 8.0,") and "\n" not in str(e.value)
+
+
+def test_the_previous_adapter_as_reference_computes_the_previous_policy(tmp_path: Path) -> None:
+    """reference: previous under LoRA: k-1's adapter loaded frozen beside the trained one on the
+    same base; the view computes pi_{k-1} while the policy trains away from it, and no frozen
+    reference weight moves."""
+    root, _, policy = _workspace(tmp_path, "llama")
+    out = root / "models" / "iter_1" / "policy"
+    adapters.save_adapter(policy, out, BASE_PATH, lm.weights_md5(root / BASE_PATH))
+    want, mask = _logprobs(policy)
+    trained = adapters.start_policy(out, root, LORA, torch.Generator().manual_seed(1))
+    ref = adapters.add_reference(trained, out)
+    assert (_logprobs(ref)[0] - want).abs().max() <= 1e-6
+    frozen = {n: q.clone() for n, q in trained.named_parameters() if not q.requires_grad}
+    assert all(f".{adapters.REFERENCE}." not in n for n, q in trained.named_parameters()
+               if q.requires_grad)
+    train_dpo(trained, ref, _pairs(), p=DPOParams(lr=5e-2, epochs=2, batch_size=4),
+              pad_id=SPECIAL["pad_token_id"], rng=torch.Generator().manual_seed(2))
+    assert all(torch.equal(q, frozen[n]) for n, q in trained.named_parameters()
+               if not q.requires_grad)
+    assert (_logprobs(ref)[0] - want).abs().max() <= 1e-6             # still pi_{k-1}
+    assert ((_logprobs(trained)[0] - want) * mask).abs().max() > 1e-3  # the policy moved
+
+
+def test_an_adapters_identity_names_its_base_and_it_loads_merged_for_inference(
+        tmp_path: Path) -> None:
+    """weights_md5 of an adapter directory covers the base it names (the same adapter on
+    another base is another policy version); load_for_inference gives the merged model, or a
+    full model as saved."""
+    root, plain, policy = _workspace(tmp_path, "llama")
+    out = root / "models" / "iter_1" / "policy"
+    adapters.save_adapter(policy, out, BASE_PATH, lm.weights_md5(root / BASE_PATH))
+    first = lm.weights_md5(out)
+    (out / adapters.BASE_FILE).write_text(json.dumps({"base_path": BASE_PATH,
+                                                      "base_md5": "0" * 32}))
+    assert lm.weights_md5(out) != first
+    adapters.save_adapter(policy, out, BASE_PATH, lm.weights_md5(root / BASE_PATH))
+    assert lm.weights_md5(out) == first
+    model = adapters.load_for_inference(out, root)
+    assert not isinstance(model, peft.PeftModel) and fast_llama.supports(model)
+    got, mask = _logprobs(model)
+    assert ((got - _logprobs(policy)[0]) * mask).abs().max() <= 1e-3
+    full = adapters.load_for_inference(root / BASE_PATH, root)
+    assert torch.equal(_logprobs(full)[0], _logprobs(plain)[0])

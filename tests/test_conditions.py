@@ -64,7 +64,8 @@ def test_rendering_is_a_function_of_the_params_alone() -> None:
     assert set(marked) == set(conditions.CONDITIONS) and all(marked.values())
     assert conditions.declared(once) == {
         "update_reads_judge_pairs": True, "update_reads_reward_model": False,
-        "update_reads_pair_pool": False, "update_reads_initial_policy": True}
+        "update_reads_pair_pool": False, "update_reads_initial_policy": True,
+        "policy_is_adapter": False}
 
 
 # --- the user's path: real DVC and the CLI in a copy of the shared tiny run ---------------

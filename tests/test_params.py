@@ -317,13 +317,17 @@ def test_lora_left_out_is_off() -> None:
     ("    target_modules: []\n", "10: update.lora.target_modules: expected a non-empty list"),
     ("    target_modules: [q_proj, q_proj]\n", "10: update.lora.target_modules: must be "
      "distinct, non-empty module names, got ['q_proj', 'q_proj']"),
-    ("    r: 8\n", "10: update.lora.r: LoRA adapters are not wired into the stages yet (update, "
-     "rollout and evaluate would train and load the full model); leave update.lora out or set "
-     "r: 0"),
-], ids=["r-negative", "alpha-zero", "dropout-one", "no-modules", "module-twice", "r-not-wired"])
+], ids=["r-negative", "alpha-zero", "dropout-one", "no-modules", "module-twice"])
 def test_lora_out_of_range(tmp_path: Path, lines: str, expected: str) -> None:
     path = write(tmp_path, BASE.replace("update:\n", "update:\n  lora:\n" + lines))
     assert load_error(path) == f"{path}:{expected}"
+
+
+def test_lora_on_several_processes_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE.replace("update:\n", "update:\n  processes: 2\n  lora:\n    r: 8\n"))
+    assert load_error(path).endswith("update.lora.r: LoRA trains on one process: set "
+                                     "update.processes: 1 (an adapter's update is small; its "
+                                     "ranks would each hold the whole base)")
 
 
 def test_lora_section_with_r_0_loads(tmp_path: Path) -> None:

@@ -34,7 +34,10 @@ CONDITIONS: dict[str, Callable[[Any], bool]] = {
     "update_reads_pair_pool": lambda p: p.update.algo == "dpo" and p.update.dpo.offpolicy_mix > 0,
     # update@k: iteration 0's model as the reference
     "update_reads_initial_policy": lambda p: (p.update.reference == "initial"   # the reference,
-                                              or p.update.kl_budget.total > 0),  # or the budget's
+                                              or p.update.kl_budget.total > 0    # the budget's,
+                                              or p.update.lora.r > 0),   # or a LoRA policy's base
+    # rollout@k: iteration 0's model, the base of a LoRA policy's adapter
+    "policy_is_adapter": lambda p: p.update.lora.r > 0,
 }
 
 
@@ -70,12 +73,16 @@ def holds(name: str, params: Any) -> bool:
     return CONDITIONS[name](params)
 
 
-def check(contract: Any, params: Any, root: Path) -> None:
+def check(contract: Any, params: Any, root: Path, facts: dict[str, bool] | None = None) -> None:
     """Stop a stage whose conditional inputs (its contract's `when`) hold for these params but
-    are left out of the workspace's dvc.yaml (a workspace without one: nothing to check)."""
+    are left out of the workspace's dvc.yaml (a workspace without one: nothing to check).
+    facts: conditions the stage knows from its inputs rather than from params (rollout: whether
+    the policy it samples is an adapter), which it need not declare params for."""
     path = root / "dvc.yaml"
+    facts = facts or {}
     on = declared(path.read_text()) if path.is_file() else {}
-    missing = [n for n in contract.when if holds(n, params) and not on.get(n, True)]
+    missing = [n for n in contract.when
+               if (facts[n] if n in facts else holds(n, params)) and not on.get(n, True)]
     if missing:
         raise UndeclaredInput(
             f"{path}: {contract.name} reads inputs declared there for other params "

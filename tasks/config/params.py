@@ -377,10 +377,9 @@ def _check_lora(p: Params, b: _Builder) -> None:
     names = list(lo.target_modules)
     if not all(names) or len(set(names)) != len(names):
         b.fail(path + ("target_modules",), f"must be distinct, non-empty module names, got {names}")
-    if lo.r > 0:          # groundwork: tasks/models/adapters.py exists, the stages do not call it
-        b.fail(path + ("r",), "LoRA adapters are not wired into the stages yet (update, rollout "
-               "and evaluate would train and load the full model); leave update.lora out or "
-               "set r: 0")
+    if lo.r > 0 and p.update.processes > 1:
+        b.fail(path + ("r",), "LoRA trains on one process: set update.processes: 1 (an adapter's "
+               "update is small; its ranks would each hold the whole base)")
 
 
 def prev_of(params: Any, it: int) -> int:

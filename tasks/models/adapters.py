@@ -12,7 +12,10 @@ A policy directory of a LoRA policy holds PEFT's two files (`adapter_config.json
 workspace-relative path and its weights' md5 (`lm.weights_md5`): `load_policy` loads that base,
 refuses it if its bytes changed, and puts the adapter on it.
 
-Groundwork: no stage calls this module yet (`update.lora.r > 0` is refused at load time).
+With `update.lora.r > 0` the update stage trains an adapter (`start_policy`), rollout and
+evaluate sample its merged weights (`load_for_inference`), and `reference: previous` is the
+previous adapter loaded beside the trained one on the same base (`add_reference`): one base in
+memory, whichever reference.
 """
 from __future__ import annotations
 
@@ -39,8 +42,9 @@ from tasks.schemas.update import LoraParams
 
 ADAPTER_CONFIG = "adapter_config.json"          # PEFT's: the adapter's shape and targets
 ADAPTER_WEIGHTS = "adapter_model.safetensors"   # PEFT's: the adapter's A and B matrices
-BASE_FILE = "alignloop_base.json"               # ours: {"base_path": ..., "base_md5": ...}
+BASE_FILE = lm.ADAPTER_BASE                     # ours: {"base_path": ..., "base_md5": ...}
 ADAPTER = "default"                             # PEFT's name of a model's one adapter
+REFERENCE = "reference"                         # a second, frozen adapter: the previous policy
 
 
 @contextlib.contextmanager
@@ -94,17 +98,25 @@ def attach(model: transformers.PreTrainedModel, lp: LoraParams,
 
 
 @contextlib.contextmanager
-def _as_reference(policy: peft.PeftModel) -> Iterator[None]:
-    """The policy's adapter off and every module in eval mode for the block; afterwards each
-    module's mode and each parameter's requires_grad as they were (PEFT's enable_adapter_layers,
-    on leaving disable_adapter, marks the active adapter trainable even when it was loaded
-    frozen for inference)."""
+def _as_reference(policy: peft.PeftModel, adapter: str | None) -> Iterator[None]:
+    """For the block, the policy computes its reference: the base (adapter None: every adapter
+    off) or the frozen adapter `adapter` alone, every module in eval mode; afterwards the
+    trained adapter active again and each module's mode and each parameter's requires_grad as
+    they were (PEFT's enable_adapter_layers and set_adapter mark the adapter they switch on
+    trainable, even one loaded frozen)."""
     modes = [(m, m.training) for m in policy.modules()]
     grads = [(q, q.requires_grad) for q in policy.parameters()]
     policy.eval()
     try:
-        with policy.disable_adapter():
-            yield
+        if adapter is None:
+            with policy.disable_adapter():
+                yield
+        else:
+            policy.set_adapter(adapter)
+            try:
+                yield
+            finally:
+                policy.set_adapter(ADAPTER)
     finally:
         for m, training in modes:
             m.training = training
@@ -113,9 +125,10 @@ def _as_reference(policy: peft.PeftModel) -> Iterator[None]:
 
 
 class ReferenceView(torch.nn.Module):
-    """The base model under a LoRA policy, as a reference module: its forward runs the policy
-    with the adapter off, in eval mode, without grad. No second model: the policy's own base
-    weights, which the adapter's training never changes.
+    """The base model under a LoRA policy (adapter None), or the base with the frozen adapter
+    `add_reference` loaded (adapter REFERENCE: the previous policy), as a reference module: its
+    forward runs the policy so, in eval mode, without grad. No second model: the policy's own
+    base weights, which the adapter's training never changes.
 
     What `train_dpo`, `train_ppo`, `KLGuard` and `lm.packed_logprobs` touch is the policy's:
     `config` (its attention implementation), `dtype`, and `parameters()`, which yields the
@@ -123,9 +136,10 @@ class ReferenceView(torch.nn.Module):
     cannot freeze the policy's adapter). The policy is not a submodule: `ref.eval()` or
     `ref.to(...)` leave it alone."""
 
-    def __init__(self, policy: peft.PeftModel) -> None:
+    def __init__(self, policy: peft.PeftModel, adapter: str | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "policy", policy)     # not registered: a view, not an owner
+        self.adapter = adapter
 
     @property
     def config(self) -> transformers.PretrainedConfig:
@@ -145,8 +159,8 @@ class ReferenceView(torch.nn.Module):
                 yield name, q
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The policy's forward with its adapter off: the base model's outputs."""
-        with torch.no_grad(), _as_reference(self.policy):
+        """The policy's forward as its reference: the base's outputs, or base + REFERENCE's."""
+        with torch.no_grad(), _as_reference(self.policy, self.adapter):
             return self.policy(*args, **kwargs)
 
 
@@ -253,3 +267,53 @@ def merged(model: peft.PeftModel, *, in_place: bool = False) -> transformers.Pre
     with _quiet():
         plain = target.merge_and_unload(safe_merge=True)
     return plain.eval()
+
+
+def add_reference(policy: peft.PeftModel, adapter_dir: str | Path) -> ReferenceView:
+    """The adapter saved in `adapter_dir` (the previous policy's, on the same base) loaded
+    beside the policy's own as a frozen second adapter, and the view that computes with it
+    alone: `reference: previous` without a second base in memory."""
+    with _quiet():
+        policy.load_adapter(str(adapter_dir), adapter_name=REFERENCE, is_trainable=False)
+        policy.set_adapter(ADAPTER)
+    for name, q in policy.named_parameters():
+        if f".{REFERENCE}." in name:
+            q.requires_grad_(False)
+    return ReferenceView(policy, REFERENCE)
+
+
+def load_for_inference(policy_dir: str | Path, root: str | Path,
+                       device: Device = "cpu") -> transformers.PreTrainedModel:
+    """A policy directory as a plain model in eval mode, whichever it holds: a full model as
+    saved, an adapter merged into its base (the fast sampler reads plain weights)."""
+    if not is_adapter_dir(policy_dir):
+        return lm.load_causal_lm(policy_dir, device)
+    return merged(load_policy(policy_dir, root, device), in_place=True)
+
+
+def base_of(policy_dir: str | Path, root: str | Path) -> tuple[str, str]:
+    """The base an adapter trained from `policy_dir` sits on: an adapter's own base, or the full
+    model in `policy_dir` itself; (workspace-relative path, weights md5)."""
+    if is_adapter_dir(policy_dir):
+        return read_base(policy_dir)
+    rel = Path(policy_dir).resolve().relative_to(Path(root).resolve()).as_posix()
+    return rel, lm.weights_md5(policy_dir)
+
+
+def start_policy(policy_dir: str | Path, root: str | Path, lp: LoraParams, rng: torch.Generator,
+                 device: Device = "cpu") -> peft.PeftModel:
+    """The policy an update trains under `update.lora`: the adapter saved in `policy_dir`,
+    trainable (iteration k continues from k-1's), or a fresh adapter on the full model there.
+    An adapter of another shape than `lp` asks for (r, alpha, target modules) is refused in one
+    line: it cannot be continued as another."""
+    if not is_adapter_dir(policy_dir):
+        return attach(lm.load_causal_lm(policy_dir, device), lp, rng)
+    config = json.loads((Path(policy_dir) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    saved = (config.get("r"), float(config.get("lora_alpha", 0)),
+             sorted(config.get("target_modules") or []))
+    wanted = (lp.r, float(lp.alpha), sorted(lp.target_modules))
+    if saved != wanted:
+        raise ModelError(f"{Path(policy_dir) / ADAPTER_CONFIG}: r, lora_alpha, target_modules "
+                         f"{saved} but update.lora asks for {wanted}: an adapter continues with "
+                         "its own shape (set update.lora as it was, or start a new workspace)")
+    return load_policy(policy_dir, root, device, trainable=True)

@@ -34,9 +34,10 @@ def sample_rollouts(model: torch.nn.Module | None, tok: transformers.PreTrainedT
                     prompts: Sequence[tuple[str, Prompt]], k: int, gen: GenerationParams,
                     max_prompt_tokens: int, policy_version: str, iteration: int,
                     rng: torch.Generator, workers: int = 1,
-                    policy_dir: Path | None = None) -> list[Rollout]:
+                    policy_dir: Path | None = None, root: Path | None = None) -> list[Rollout]:
     """K samples per prompt, grouped by prompt in input order. With workers > 1, sampled by
-    that many Ray workers, each loading the model from policy_dir (the same samples)."""
+    that many Ray workers, each loading the model from policy_dir (the same samples; a LoRA
+    adapter's base from the workspace `root`)."""
     ids = [lm.render_prompt(tok, prompt, max_prompt_tokens) for _, prompt in prompts]
     flat = [i for i in range(len(prompts)) for _ in range(k)]
     rows = [ids[i] for i in flat]
@@ -47,7 +48,7 @@ def sample_rollouts(model: torch.nn.Module | None, tok: transformers.PreTrainedT
         if policy_dir is None:
             raise ValueError("sampling on Ray workers needs the policy's directory")
         samples = sampling.sample_on_workers(  # type: ignore[arg-type]
-            policy_dir, rows, workers, **kw)
+            policy_dir, rows, workers, root=root, **kw)
     else:
         samples = sampling.sample(model, rows, **kw)  # type: ignore[arg-type]
     out = []

@@ -64,12 +64,19 @@ def load_causal_lm(path: str | Path, device: Device = "cpu") -> transformers.Pre
     return model.to(device).eval()
 
 
+ADAPTER_BASE = "alignloop_base.json"   # an adapter directory's base (tasks/models/adapters.py)
+
+
 def weights_md5(path: str | Path) -> str:
-    """md5 over the weight files of a saved model directory (its version identity)."""
+    """md5 over the weight files of a saved model directory (its version identity); of an
+    adapter directory, over its weights and the file naming its base (path and md5): the same
+    adapter on another base is another model."""
     h = hashlib.md5()
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ModelError(f"{path}: no *.safetensors weights")
+    if (Path(path) / ADAPTER_BASE).is_file():
+        files.append(Path(path) / ADAPTER_BASE)
     for f in files:
         with f.open("rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 22), b""):

@@ -10,6 +10,13 @@ The weights are not copied. MLflow's transformers flavor loads the model from
 the root keeps its own, and every other reader (`lm.load_tokenizer`, `from_pretrained(dir)`,
 `transformers serve`) goes on reading the root.
 
+A LoRA policy directory (adapter only, tasks/models/adapters.py) is an MLflow PEFT model with a
+local base: `peft_adaptor: .` and `local_base_model_path` naming the base by its
+workspace-relative path, which MLflow resolves from the current directory; from elsewhere,
+`mlflow.transformers.load_model(uri, base_model_path=<workspace>/models/iter_0/policy)` (MLflow's
+override for a moved base; `mlflow/transformers/model_io.py`,
+`load_model_and_components_from_local_base_path`).
+
 The files are written by hand from the format MLflow 3.17's `save_model` writes (MLmodel,
 conda.yaml, python_env.yaml, requirements.txt): importing mlflow costs a stage ~4 s. They hold
 no timestamp or uuid, so a rerun writes identical bytes (DVC's caching depends on it).
@@ -76,21 +83,34 @@ def model_binary(model_dir: Path) -> str:
     raise ValueError(f"{model_dir}: no config.json at the root or in {member}/")
 
 
-def flavor_config(model_dir: Path, task: str, source_name: str) -> dict[str, object]:
+ADAPTER_CONFIG = "adapter_config.json"   # PEFT's: the directory holds an adapter, not a model
+
+
+def flavor_config(model_dir: Path, task: str, source_name: str,
+                  base: tuple[str, Path] | None = None) -> dict[str, object]:
     """The `transformers` flavor block of MLmodel, as `build_flavor_config_from_local_checkpoint`
-    would write it, with `model_binary` pointing into the directory itself."""
+    would write it, with `model_binary` pointing into the directory itself; for an adapter
+    (base: its workspace-relative path and its directory), the adapter here and the base at
+    that path."""
     inference_task = task if task == CHAT else None
     task = "text-generation" if task == CHAT else task
-    binary = model_binary(model_dir)
-    config = json.loads((model_dir / binary / "config.json").read_text())
+    if base is None:
+        binary = model_binary(model_dir)
+        config = json.loads((model_dir / binary / "config.json").read_text())
+    else:
+        config = json.loads((base[1] / "config.json").read_text())
     tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     dtype = config.get("dtype") or config.get("torch_dtype")
     conf: dict[str, object] = {
         "code": None, "components": ["tokenizer"], "instance_type": TASKS[task][0],
-        "model_binary": binary, "pipeline_model_type": config["architectures"][0],
+        "pipeline_model_type": config["architectures"][0],
         "source_model_name": source_name, "task": task,
         "tokenizer_type": tok_config.get("tokenizer_class") or "AutoTokenizer",
         "transformers_version": _version("transformers")}
+    if base is None:
+        conf["model_binary"] = binary
+    else:
+        conf.update({"peft_adaptor": ".", "local_base_model_path": base[0]})
     if dtype:
         conf["torch_dtype"] = f"torch.{dtype}"
     if inference_task:
@@ -107,7 +127,8 @@ def signature(task: str) -> dict[str, str | None]:
             "params": json.dumps(params) if params else None}
 
 
-def mlmodel(model_dir: Path, task: str, info: Mapping[str, object]) -> dict[str, object]:
+def mlmodel(model_dir: Path, task: str, info: Mapping[str, object],
+            base: tuple[str, Path] | None = None) -> dict[str, object]:
     metadata: dict[str, object] = {"alignloop": dict(info)}
     if task == CHAT:
         metadata["task"] = CHAT                 # as MLflow's save_model marks a chat model
@@ -116,7 +137,8 @@ def mlmodel(model_dir: Path, task: str, info: Mapping[str, object]) -> dict[str,
             "python_function": {"env": {"conda": "conda.yaml", "virtualenv": "python_env.yaml"},
                                 "loader_module": "mlflow.transformers",
                                 "python_version": platform.python_version()},
-            "transformers": flavor_config(model_dir, task, str(info.get("model_path", "."))),
+            "transformers": flavor_config(model_dir, task, str(info.get("model_path", ".")),
+                                          base),
         },
         "metadata": metadata,
         "mlflow_version": _version("mlflow"),
@@ -128,12 +150,14 @@ def _dump(path: Path, obj: object) -> None:
     path.write_text(yaml.safe_dump(obj, sort_keys=True, default_flow_style=False))
 
 
-def write_mlflow_model(model_dir: Path, task: str, info: Mapping[str, object]) -> None:
+def write_mlflow_model(model_dir: Path, task: str, info: Mapping[str, object],
+                       base: tuple[str, Path] | None = None) -> None:
     """Make `model_dir` (a save_pretrained directory with its tokenizer at the root, or an
     ensemble's member_<i> dirs) a valid MLflow transformers model for `task`
     ("text-generation" | "text-classification" | "llm/v1/chat"); `info` (plain, deterministic
     values; key `model_path` names the directory in the workspace) is kept as MLmodel
-    metadata."""
+    metadata. base: for a LoRA adapter directory, its base model's workspace-relative path and
+    directory."""
     if task not in (*TASKS, CHAT):
         raise ValueError(f"task {task!r}: expected one of {sorted((*TASKS, CHAT))}")
     model_dir = Path(model_dir)
@@ -142,8 +166,8 @@ def write_mlflow_model(model_dir: Path, task: str, info: Mapping[str, object]) -
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, tok_dir / name)
-    _dump(model_dir / MLMODEL, mlmodel(model_dir, task, info))
-    requirements = _pinned("mlflow", "transformers", "torch")
+    _dump(model_dir / MLMODEL, mlmodel(model_dir, task, info, base))
+    requirements = _pinned("mlflow", "transformers", "torch", *(("peft",) if base else ()))
     (model_dir / "requirements.txt").write_text("\n".join(requirements) + "\n")
     python = platform.python_version()
     _dump(model_dir / "conda.yaml", {

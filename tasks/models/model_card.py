@@ -205,6 +205,19 @@ def parent_of(stage: str, it: int, prev: int) -> str | None:
     return {"update": layout.policy(prev), "train_rm": layout.policy(0)}.get(stage)
 
 
+def adapter_note(model_dir: Path, model_path: str) -> str:
+    """How to load a LoRA adapter directory: it holds the adapter alone and names its base."""
+    base = json.loads((model_dir / lm.ADAPTER_BASE).read_text())
+    return (f"A LoRA adapter (PEFT) on the base `{base['base_path']}` (weights md5 "
+            f"`{base['base_md5']}`), which this directory names in `{lm.ADAPTER_BASE}` and "
+            "does not hold. From the workspace root: `peft.AutoPeftModelForCausalLM."
+            f"from_pretrained(\"{model_path}\")` (the adapter's `base_model_name_or_path` is "
+            "the base's path relative to the root), or `mlflow.transformers.load_model(\"models:"
+            "/alignloop-policy/<version>\")`; from elsewhere, add `base_model_path=` with the "
+            "base's directory to MLflow's call. `alignloop export ... --merge` writes a "
+            "standalone model with the adapter merged into the base's weights.")
+
+
 def write_model_card(model_dir: Path, root: Path, stage: str, it: int, p: Params,
                      metrics: Mapping[str, float]) -> None:
     """Write README.md into `model_dir`, the new directory of stage `stage`@`it` (before it is
@@ -225,6 +238,8 @@ def write_model_card(model_dir: Path, root: Path, stage: str, it: int, p: Params
                      "over the response's tokens (`train_rm.pooling: mean`); a plain "
                      "text-classification pipeline reads the last token instead, so score with "
                      "`tasks.reward.reward_model.load_reward_model` for the rewards the loop used.")
+    if (model_dir / lm.ADAPTER_BASE).is_file():
+        notes.append(adapter_note(model_dir, model_path))
     name = stage if stage == "prepare_model" else f"{stage}@{it}"
     card = Card(name, role, it, model_path, task, base_model(meta), meta, algorithm(p, stage), md5,
                 datasets, judges, {k: float(v) for k, v in metrics.items()},

@@ -13,6 +13,8 @@ single-threaded ops (data parallelism instead of intra-op parallelism).
 """
 from __future__ import annotations
 
+import importlib
+
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -318,8 +320,11 @@ class ShardSampler:
     """A Ray actor: one replica of the policy, loaded from its directory, sampling shards."""
 
     def __init__(self, policy_dir: str, *, pad_id: int, eos_id: int, temperature: float,
-                 top_p: float, max_new_tokens: int):
-        model = lm.load_causal_lm(policy_dir)
+                 top_p: float, max_new_tokens: int, root: str | None = None):
+        # root given: the caller (rollout, evaluate: stages that import tasks.models.adapters
+        # and declare it) may pass a LoRA adapter, loaded merged; the others load full models
+        model = importlib.import_module("tasks.models.adapters").load_for_inference(
+            policy_dir, root) if root is not None else lm.load_causal_lm(policy_dir)
         self.make = decoders(model, pad_id=pad_id, temperature=temperature,
                              max_new_tokens=max_new_tokens)
         self.pad_id, self.eos_id, self.top_p = pad_id, eos_id, top_p
@@ -331,16 +336,18 @@ class ShardSampler:
 
 def sample_on_workers(policy_dir: Path, prompts: Sequence[Sequence[int]], workers: int, *,
                       batch_size: int, max_new_tokens: int, eos_id: int, pad_id: int,
-                      temperature: float, top_p: float,
-                      generator: torch.Generator) -> list[Sample]:
-    """`sample` of the model in policy_dir on `workers` Ray actors (tasks.runtime.ray_pool), each
+                      temperature: float, top_p: float, generator: torch.Generator,
+                      root: Path | None = None) -> list[Sample]:
+    """`sample` of the model in policy_dir (a LoRA adapter's base under the workspace `root`)
+    on `workers` Ray actors (tasks.runtime.ray_pool), each
     sampling whole shards of `plan`: the shards this process would sample on its own threads,
     so the same samples bit for bit, in prompt order."""
     from tasks.runtime import ray_pool  # only here: nothing imports Ray otherwise
     shards = plan(prompts, batch_size=batch_size, max_new_tokens=max_new_tokens,
                   generator=generator, threads=torch.get_num_threads())
     init = {"policy_dir": str(policy_dir), "pad_id": pad_id, "eos_id": eos_id,
-            "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens}
+            "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+            "root": str(root) if root is not None else None}
     out: list[Sample] = []
     with ray_pool.cluster(workers), progress.track(len(prompts), "samples", "tokens") as pg:
         for part in ray_pool.map_actors(ShardSampler, init, shards, workers):

@@ -101,14 +101,20 @@ def guard_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> list[tuple[int
 
 
 class Snapshot:
-    """The policy's weights at the last measurement within the target, restored on a stop."""
+    """The policy's trained weights (those that require grad: every weight of a full
+    fine-tune, a LoRA policy's adapter alone) at the last measurement within the target,
+    restored on a stop."""
 
     def __init__(self, policy: torch.nn.Module) -> None:
         self.policy = policy
         self.take()
 
     def take(self) -> None:
-        self.state = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+        self.state = {k: q.detach().clone() for k, q in self.policy.named_parameters()
+                      if q.requires_grad}
 
     def restore(self) -> None:
-        self.policy.load_state_dict(self.state)
+        with torch.no_grad():
+            for k, q in self.policy.named_parameters():
+                if k in self.state:
+                    q.copy_(self.state[k])

@@ -85,11 +85,10 @@ class PPOParams:
 @dataclass(frozen=True)
 class LoraParams:
     """LoRA adapters (PEFT, tasks/models/adapters.py): the policy trains low-rank updates of the
-    named linear layers while its base weights stay frozen. r = 0 (the default, or the section
-    left out) trains every weight, as before. No stage reads it yet: r > 0 is refused at load
-    time until the update, rollout and evaluation load adapters."""
-    r: int = 0                      # adapter rank (0 = off: every weight of the policy trains);
-                                    #   no stage reads it yet, so r > 0 is refused
+    named linear layers while its base weights stay frozen, and each iteration's policy
+    directory holds the adapter alone, naming its base. r = 0 (the default, or the section left
+    out) trains every weight. docs/algorithms.md#lora-adapters."""
+    r: int = 0                      # adapter rank (0 = off: every weight of the policy trains)
     alpha: float = 16.0             # LoRA's alpha: the adapter's update B A is scaled by alpha / r
     dropout: float = 0.0            # dropout on the adapter's input while training, in [0, 1)
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj",

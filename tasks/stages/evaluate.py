@@ -45,7 +45,7 @@ from tasks.judging.judges import (
     judge_pairs,
     position_flipped,
 )
-from tasks.models import lm
+from tasks.models import adapters, lm
 from tasks.models.generation import load_prompts, sample_rollouts, select_responses
 from tasks.models.lm import mean_nll
 from tasks.reward.reward_model import load_reward_model, reward_mean_std
@@ -340,13 +340,14 @@ def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "", CONTRACT)
     p, it, root = args.params, args.it, args.root
     pol_dir, ref_dir = root / layout.policy(it), root / layout.policy(0)
-    policy, ref = lm.load_causal_lm(pol_dir, args.device), lm.load_causal_lm(ref_dir, args.device)
+    policy = adapters.load_for_inference(pol_dir, root, args.device)   # merged, if LoRA
+    ref = lm.load_causal_lm(ref_dir, args.device)
     tok = lm.load_tokenizer(pol_dir)
     prompts, subjects = read_heldout(root, p.evaluate.n_prompts)
     gen = p.evaluate.generation
     pol = sample_rollouts(policy, tok, prompts, 1, gen, p.model.max_prompt_tokens,
                           lm.weights_md5(pol_dir), it, stage.generator(p.seed, 4, it),
-                          p.evaluate.workers, pol_dir)
+                          p.evaluate.workers, pol_dir, root)
     refs = read_references(root, prompts)
     logp = LogProbs.of(policy, ref, pol, refs, gen, tok.pad_token_id)
     select = select_responses(policy, ref, tok, root, p, it, stage.generator(p.seed, 9, it))

@@ -13,16 +13,18 @@ from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ct
 
 from collections.abc import Sequence
 
+from tasks.config import conditions
 from tasks.core import jsonl, layout
 from tasks.data.records import Rollout
-from tasks.models import lm
+from tasks.models import adapters, lm
 from tasks.models.generation import load_prompts, sample_rollouts
 
 CONTRACT = stage.Contract(
     "rollout", params=("device", "seed", "model.max_prompt_tokens", "rollout"),
-    deps=lambda it, prev: (layout.PROMPTS_TRAIN, layout.policy(prev)),
+    deps=lambda it, prev: (layout.PROMPTS_TRAIN, layout.policy(prev), layout.policy(0)),
     outs=lambda it, prev: (layout.rollouts(it),),
-    metrics=lambda it, prev: (layout.metrics(it, "rollout"),))
+    metrics=lambda it, prev: (layout.metrics(it, "rollout"),),
+    when={"policy_is_adapter": lambda it, prev: (layout.policy(0),)})
 
 
 def rollout_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
@@ -39,15 +41,18 @@ def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "", CONTRACT)
     p, it = args.params, args.it
     policy_dir = args.root / layout.policy(args.prev)
+    conditions.check(CONTRACT, p, args.root,  # a LoRA policy's base is a declared dep
+                     {"policy_is_adapter": adapters.is_adapter_dir(policy_dir)})
     tok = lm.load_tokenizer(policy_dir)
     # with Ray workers each loads its own replica: the stage process needs none
-    model = lm.load_causal_lm(policy_dir, args.device) if p.rollout.workers == 1 else None
+    model = adapters.load_for_inference(policy_dir, args.root, args.device) \
+        if p.rollout.workers == 1 else None                      # merged, for a LoRA policy
     prompts = load_prompts(str(args.root / layout.PROMPTS_TRAIN), p.rollout.n_prompts,
                            offset=(it - 1) * p.rollout.n_prompts)
     rollouts = sample_rollouts(model, tok, prompts, p.rollout.samples_per_prompt,
                                p.rollout.generation, p.model.max_prompt_tokens,
                                lm.weights_md5(policy_dir), it, stage.generator(p.seed, 1, it),
-                               p.rollout.workers, policy_dir)
+                               p.rollout.workers, policy_dir, args.root)
     jsonl.write(args.root / layout.rollouts(it), (r.to_record() for r in rollouts))
     metrics = rollout_metrics(rollouts)
     stage.write_metrics(args.root, layout.metrics(it, "rollout"), metrics)

@@ -8,6 +8,12 @@
   importance ratios), rewarded by this iteration's reward model, KL to the reference in the
   reward or the loss; the value head is saved in the policy directory for the next iteration.
 The reference is an explicit, versioned input: the initial model or the previous policy.
+
+With `update.lora.r > 0` the policy trains a LoRA adapter (tasks/models/adapters.py): iteration
+1 attaches a fresh one to the initial model, iteration k continues from k-1's, and the policy
+directory holds the adapter alone, naming its base by path and md5. The reference is computed by
+the same model: `initial` with the adapter switched off, `previous` with k-1's adapter, loaded
+frozen beside the trained one (a second adapter, not a second base).
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from tasks.config import conditions
 from tasks.config.params import Params
 from tasks.core import atomic, jsonl, layout
 from tasks.data.records import Rollout, parse_pair, parse_rollout
-from tasks.models import lm, mlflow_model, model_card
+from tasks.models import adapters, lm, mlflow_model, model_card
 from tasks.policy import value_head
 from tasks.policy.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
 from tasks.policy.kl_budget import KLGuard, guard_prompts
@@ -71,11 +77,33 @@ class UpdateResult:
     curve: tuple[dict[str, float], ...] = ()    # per optimiser step (training_curve.json)
 
 
-def run_dpo(policy: PreTrainedModel, ref: PreTrainedModel, tok: Tokenizer, p: Params, root: Path,
-            it: int, rng: torch.Generator, group: Group = SINGLE) -> UpdateResult:
+@dataclass
+class Models:
+    """The policy an update trains and its reference; `initial()` is the initial model (the KL
+    budget's measure), loaded only when neither of them computes it already."""
+    policy: torch.nn.Module
+    ref: torch.nn.Module
+    root: Path
+    reference: str                     # update.reference
+    base_is_initial: bool = False      # a LoRA policy on iteration 0's model
+
+    def initial(self) -> torch.nn.Module:
+        if self.reference == "initial":
+            return self.ref
+        if self.base_is_initial:        # the adapter switched off
+            return adapters.ReferenceView(self.policy)
+        initial = lm.load_causal_lm(self.root / layout.policy(0), device_of(self.policy))
+        for q in initial.parameters():
+            q.requires_grad_(False)
+        return initial
+
+
+def run_dpo(models: Models, tok: Tokenizer, p: Params, root: Path, it: int, rng: torch.Generator,
+            group: Group = SINGLE) -> UpdateResult:
     """DPO on this iteration's on-policy pairs (picked by `pair_source`), plus `offpolicy_mix`
     of pairs from the previous pool at loss weight `offpolicy_weight`; every rank reads and
     encodes the same pairs, then trains on its shard of each batch."""
+    policy, ref = models.policy, models.ref
     d, pad = p.update.dpo, tok.pad_token_id
     mpt, max_len = p.model.max_prompt_tokens, p.update.max_length
     encode = lambda ps: encode_pairs(tok, ps, mpt, max_len)
@@ -98,7 +126,7 @@ def run_dpo(policy: PreTrainedModel, ref: PreTrainedModel, tok: Tokenizer, p: Pa
     weights = torch.tensor([1.0] * len(onpolicy) + [d.offpolicy_weight] * len(offpolicy),
                            device=device_of(policy))
     curve: list[dict[str, float]] = []
-    guard = kl_guard(policy, ref, tok, p, root, [x.prompt_ids for x in onpolicy],
+    guard = kl_guard(models, tok, p, [x.prompt_ids for x in onpolicy],
                      stage.generator(p.seed, 10, it))
     metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, p=d, pad_id=pad, rng=rng,
                              weights=weights, group=group, curve=curve, guard=guard))
@@ -110,17 +138,15 @@ def run_dpo(policy: PreTrainedModel, ref: PreTrainedModel, tok: Tokenizer, p: Pa
     return UpdateResult(metrics, curve=tuple(curve))
 
 
-def kl_guard(policy: PreTrainedModel, ref: PreTrainedModel, tok: Tokenizer, p: Params, root: Path,
-             prompts: list[tuple[int, ...]], rng: torch.Generator) -> KLGuard | None:
+def kl_guard(models: Models, tok: Tokenizer, p: Params, prompts: list[tuple[int, ...]],
+             rng: torch.Generator) -> KLGuard | None:
     """The KL budget's guard (tasks/policy/kl_budget.py) on this iteration's on-policy prompts,
-    against the initial model (the DPO reference unless `update.reference: previous`); None when the
-    profile sets no budget."""
+    against the initial model; None when the profile sets no budget."""
     b = p.update.kl_budget
     if b.total <= 0:
         return None
-    initial = ref if p.update.reference == "initial" else \
-        lm.load_causal_lm(root / layout.policy(0), device_of(policy))
-    return KLGuard(policy, initial, guard_prompts(prompts, b.n_prompts), p.evaluate.generation,
+    return KLGuard(models.policy, models.initial(), guard_prompts(prompts, b.n_prompts),
+                   p.evaluate.generation,
                    b, tok.eos_token_id, tok.pad_token_id, rng)
 
 
@@ -142,12 +168,13 @@ def _read_rollouts(path: Path) -> list[Rollout]:
     return [r for r in rollouts if r.response_ids]
 
 
-def run_ppo(policy: PreTrainedModel, ref: PreTrainedModel, tok: Tokenizer, p: Params, root: Path,
-            it: int, rng: torch.Generator, group: Group = SINGLE) -> UpdateResult:
+def run_ppo(models: Models, tok: Tokenizer, p: Params, root: Path, it: int, rng: torch.Generator,
+            group: Group = SINGLE) -> UpdateResult:
     """PPO on this iteration's rollouts; with reuse.iterations_back = 1 also on the previous
     iteration's, which update@{it-1} kept in its policy directory (a declared out of update@{it-1}
     and dep of update@{it}); the critic starts from update@{it-1}'s value head (value_reuse).
     On several ranks rank 0 scores the rollouts and shares the scores."""
+    policy, ref = models.policy, models.ref
     q, pad = p.update.ppo, tok.pad_token_id
     rollouts = _read_rollouts(root / layout.rollouts(it))
     prev_dir = root / layout.policy(stage.prev_of(p, it))
@@ -178,12 +205,17 @@ def run_ppo(policy: PreTrainedModel, ref: PreTrainedModel, tok: Tokenizer, p: Pa
 ALGORITHMS: dict[str, Callable[..., UpdateResult]] = {"dpo": run_dpo, "ppo": run_ppo}
 
 
-def write_policy(policy: PreTrainedModel, tok: Tokenizer, p: Params, root: Path, it: int,
-                 result: UpdateResult) -> None:
-    """The policy directory (atomically) and the metrics file: rank 0's outputs."""
+def write_policy(policy: torch.nn.Module, tok: Tokenizer, p: Params, root: Path, it: int,
+                 result: UpdateResult, base: tuple[str, str] | None = None) -> None:
+    """The policy directory (atomically) and the metrics file: rank 0's outputs. base: a LoRA
+    policy's base (workspace-relative path, weights md5); the directory then holds the adapter
+    alone."""
     metrics = result.metrics
     with atomic.directory(root / layout.policy(it)) as tmp:
-        policy.save_pretrained(tmp)
+        if base is None:
+            policy.save_pretrained(tmp)
+        else:                                 # the adapter alone, naming its base
+            adapters.save_adapter(policy, tmp, *base)  # type: ignore[arg-type]
         tok.save_pretrained(tmp)
         for write in result.extra_files:      # e.g. PPO's value head
             write(tmp)
@@ -192,9 +224,36 @@ def write_policy(policy: PreTrainedModel, tok: Tokenizer, p: Params, root: Path,
         atomic.write_json(tmp / layout.MODEL_META, {
             "iteration": it, "role": "policy", "algo": p.update.algo,
             "parent": layout.policy(stage.prev_of(p, it)), "reference": reference_dir(p, it)})
-        mlflow_model.write_mlflow_model(tmp, mlflow_model.CHAT, {"model_path": layout.policy(it)})
+        mlflow_model.write_mlflow_model(tmp, mlflow_model.CHAT, {"model_path": layout.policy(it)},
+                                        base and (base[0], root / base[0]))
         model_card.write_model_card(tmp, root, "update", it, p, metrics)
     stage.write_metrics(root, layout.metrics(it, "update"), metrics)
+
+
+def load_models(p: Params, root: Path, it: int, start_dir: Path, device: str
+                ) -> tuple[Models, tuple[str, str] | None]:
+    """The policy to train (from `start_dir`, the policy it starts from) and its reference, and
+    a LoRA policy's base (None for a full fine-tune)."""
+    if p.update.lora.r <= 0:
+        policy = lm.load_causal_lm(start_dir, device)
+        ref = lm.load_causal_lm(root / reference_dir(p, it), device)
+        for q in ref.parameters():
+            q.requires_grad_(False)
+        return Models(policy, ref, root, p.update.reference), None
+    base = adapters.base_of(start_dir, root)
+    policy = adapters.start_policy(start_dir, root, p.update.lora,
+                                   stage.generator(p.seed, 11, it), device)
+    on_initial = base[0] == layout.policy(0)
+    if p.update.reference == "previous":      # pi_{k-1}: its adapter, or the base it is
+        ref = (adapters.add_reference(policy, start_dir) if adapters.is_adapter_dir(start_dir)
+               else adapters.ReferenceView(policy))
+    elif on_initial:                          # the base under the adapter
+        ref = adapters.ReferenceView(policy)
+    else:                                     # an adapter on a later full model
+        ref = lm.load_causal_lm(root / layout.policy(0), device)
+        for q in ref.parameters():
+            q.requires_grad_(False)
+    return Models(policy, ref, root, p.update.reference, on_initial), base
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -205,14 +264,12 @@ def main(argv: list[str] | None = None) -> None:
     if group is None:                         # ran on N ranks under torchrun
         return
     start_dir = root / layout.policy(args.prev)
-    policy, tok = lm.load_causal_lm(start_dir, args.device), lm.load_tokenizer(start_dir)
-    ref = lm.load_causal_lm(root / reference_dir(p, it), args.device)
-    for q in ref.parameters():
-        q.requires_grad_(False)
-    result = ALGORITHMS[p.update.algo](policy, ref, tok, p, root, it,
+    tok = lm.load_tokenizer(start_dir)
+    models, base = load_models(p, root, it, start_dir, args.device)
+    result = ALGORITHMS[p.update.algo](models, tok, p, root, it,
                                        stage.generator(p.seed, 3, it), group)
     if group.main:                            # ranks > 0 write nothing
-        write_policy(policy, tok, p, root, it, result)
+        write_policy(models.policy, tok, p, root, it, result, base)
         stage.say(f"update@{it}: {p.update.algo}, {int(result.metrics['update/steps'])} steps"
                   + (f" on {group.world} processes" if group.world > 1 else ""))
     distributed.close(group)

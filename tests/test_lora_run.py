@@ -1,0 +1,89 @@
+"""LoRA through the CLI (params/tiny-lora.yaml): a copy of the shared tiny workspace switched to
+adapters and run again, as a team would switch an existing workspace. Each iteration's policy
+directory holds the adapter alone and names its base; rollout declares the base as a DVC dep;
+the registered adapter loads with MLflow and with PEFT from the workspace root and computes
+what the loop sampled; a second run recomputes nothing (an adapter's bytes are a function of
+its inputs)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, copy_workspace, ran_stages, run_cli
+from tasks.core import layout
+from tasks.models import adapters, lm
+
+LORA = ROOT / "params" / "tiny-lora.yaml"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_run: dict[str, object], tmp_path_factory: pytest.TempPathFactory
+             ) -> dict[str, object]:
+    ws = copy_workspace(Path(str(tiny_run["ws"])), tmp_path_factory.mktemp("lora") / "ws")
+    first = run_cli("run", "--params", str(LORA), "--workspace", str(ws))
+    second = run_cli("run", "--params", str(LORA), "--workspace", str(ws))
+    return {"ws": ws, "first": first, "second": second}
+
+
+def test_each_iteration_stores_the_adapter_alone_naming_its_base(
+        lora_run: dict[str, object]) -> None:
+    ws = Path(str(lora_run["ws"]))
+    base = ws / layout.policy(0)
+    base_bytes = sum(f.stat().st_size for f in base.glob("*.safetensors"))
+    for it in (1, 2):
+        d = ws / layout.policy(it)
+        assert adapters.is_adapter_dir(d) and not (d / "model.safetensors").exists()
+        assert adapters.read_base(d) == (layout.policy(0), lm.weights_md5(base))
+        assert (d / adapters.ADAPTER_WEIGHTS).stat().st_size <= 0.05 * base_bytes
+        card = (d / layout.MODEL_CARD).read_text()
+        assert "A LoRA adapter (PEFT) on the base `models/iter_0/policy`" in card
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
+    for stage in ("rollout@2", "update@2"):     # the adapter's base is a declared input
+        assert layout.policy(0) in [d["path"] for d in lock[stage]["deps"]], stage
+
+
+def test_a_second_run_recomputes_nothing(lora_run: dict[str, object]) -> None:
+    first = str(lora_run["first"].stdout)  # type: ignore[attr-defined]
+    assert "[ran] update@1" in first and "[ran] update@2" in first
+    second = str(lora_run["second"].stdout)  # type: ignore[attr-defined]
+    assert "everything was cached" in second and not ran_stages(second), second
+
+
+LOAD = """
+import json, sys, torch, mlflow, peft
+from tasks.models import adapters, lm
+ws, uri = sys.argv[1], sys.argv[2]
+pipe = mlflow.transformers.load_model(uri, return_type="components")
+model, tok = pipe["model"], pipe["tokenizer"]
+peft_model = peft.AutoPeftModelForCausalLM.from_pretrained("models/iter_2/policy")
+ours = adapters.load_for_inference("models/iter_2/policy", ws)
+text = tok.apply_chat_template([{"role": "user", "content": "A film?"}], tokenize=False,
+                              add_generation_prompt=True)
+ids = tok(text, return_tensors="pt").input_ids
+with torch.no_grad():
+    a, b, c = (m(input_ids=ids).logits.float() for m in (model, peft_model, ours))
+print(json.dumps({"type": type(model).__name__, "mlflow_vs_ours": float((a - c).abs().max()),
+                  "peft_vs_ours": float((b - c).abs().max())}))
+"""
+
+
+def test_the_registered_adapter_loads_with_mlflow_and_peft_from_the_workspace(
+        lora_run: dict[str, object]) -> None:
+    """What the model card promises a user: from the workspace root, MLflow's registry URI and
+    PEFT's AutoPeftModelForCausalLM load base + adapter and compute the merged policy."""
+    ws = Path(str(lora_run["ws"]))
+    env_uri = f"sqlite:///{ws / '.alignloop' / 'mlflow.db'}"      # the workspace's own store
+    out = subprocess.run([sys.executable, "-c", LOAD, str(ws), "models:/alignloop-policy/2"],
+                         capture_output=True, text=True, cwd=ws, timeout=300,
+                         env={**os.environ, "MLFLOW_TRACKING_URI": env_uri,
+                              "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["type"] == "PeftModelForCausalLM"
+    assert got["mlflow_vs_ours"] <= 1e-3 and got["peft_vs_ours"] <= 1e-3
