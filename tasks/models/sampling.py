@@ -14,7 +14,6 @@ single-threaded ops (data parallelism instead of intra-op parallelism).
 from __future__ import annotations
 
 import importlib
-
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
