@@ -17,7 +17,9 @@ POINTS = ("git_commit",        # the iteration's commit is made, nothing logged 
           "policy_version",    # the policy version exists, the gate has not been applied
           "alias_ledger",      # the alias move is in the ledger file, not yet in MLflow
           "alias",             # the alias has moved in MLflow; its ledger is not committed
-          "dvc_push")          # everything recorded; the data not yet pushed to the remote
+          "dvc_push",          # everything recorded; the data not yet pushed to the remote
+          "gc_aside",          # gc moved the weights aside; no tag, ledger line or commit yet
+          "gc_record")         # gc's record committed; the remote's objects not yet deleted
 
 
 def reach(point: str, iteration: int) -> None:
