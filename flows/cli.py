@@ -249,6 +249,7 @@ EXAMPLES = """examples:
   alignloop schedule --work-pool local --cron "0 3 * * 1"   # for `prefect worker start`
   alignloop judge-server start --model DIR     # an OpenAI-compatible judge on loopback
   alignloop gc --keep-last 2 --dry-run         # what archiving old weights would free
+  alignloop export models:/alignloop-policy@production out/   # a standalone HF directory
 """
 
 

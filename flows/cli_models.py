@@ -1,8 +1,10 @@
-"""The CLI's commands on registered models' bytes: `gc` (archive old iterations' weights)."""
+"""The CLI's commands on registered models' bytes: `gc` (archive old iterations' weights) and
+`export` (a version as a standalone Hugging Face directory)."""
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flows import workspace as wsmod
@@ -67,6 +69,21 @@ def _print_plan(p: Plan, dry: bool) -> None:
           f"{human(p.freed)} of this machine's disk (a hard link counted once)")
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from flows import export, lineage
+    ws = wsmod.existing_workspace(args.workspace)
+    dest = Path(args.directory).resolve()
+    export.check_destination(dest)                 # before anything is loaded
+    _own_store(ws)
+    mv = lineage.resolve(MlflowClient(), args.model)
+    what = export.export_version(ws.root, ws.state, mv, dest, args.merge)
+    print(f"exported {mv.name} v{mv.version} ({args.model}, md5 {mv.tags.get('model_md5')}) "
+          f"to {dest}: {what}")
+    return 0
+
+
 def add_parsers(sub: argparse._SubParsersAction, default_workspace: str) -> None:
     gcp = sub.add_parser("gc", help="remove old iterations' model weights from the workspace, "
                                     "the DVC cache and the remote (data, aliased versions and "
@@ -77,3 +94,12 @@ def add_parsers(sub: argparse._SubParsersAction, default_workspace: str) -> None
                      help="print what would go and how many bytes; remove nothing")
     gcp.add_argument("--workspace", default=default_workspace)
     gcp.set_defaults(func=cmd_gc)
+    ex = sub.add_parser("export", help="a registered version as a standalone Hugging Face "
+                                       "directory (save_pretrained layout)")
+    ex.add_argument("model", help="models:/NAME@ALIAS or models:/NAME/VERSION")
+    ex.add_argument("directory", help="where (must not exist, or be empty)")
+    ex.add_argument("--merge", action="store_true",
+                    help="a LoRA adapter merged into its base's weights (else the adapter "
+                         "with its base beside it)")
+    ex.add_argument("--workspace", default=default_workspace)
+    ex.set_defaults(func=cmd_export)
