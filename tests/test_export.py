@@ -103,3 +103,47 @@ def test_an_adapter_exports_merged_or_beside_its_base_and_computes_the_same_logi
     assert (beside / "base/config.json").is_file()
     assert not (beside / "alignloop_base.json").exists()
     assert torch.allclose(fresh_logits(beside, tmp_path, "peft"), expected, atol=1e-5)
+
+
+def _stored(store: Path, directory: Path) -> str:
+    """`directory` as DVC stores it (its files by md5, a manifest listing them); the
+    manifest's md5."""
+    import hashlib
+    import json
+    import shutil
+
+    from flows.verify import object_path
+    entries = []
+    for f in sorted(p for p in directory.rglob("*") if p.is_file()):
+        md5 = hashlib.md5(f.read_bytes()).hexdigest()
+        object_path(store, md5).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, object_path(store, md5))
+        entries.append({"md5": md5, "relpath": f.relative_to(directory).as_posix()})
+    text = json.dumps(entries)
+    md5 = hashlib.md5(text.encode()).hexdigest() + ".dir"
+    object_path(store, md5).parent.mkdir(parents=True, exist_ok=True)
+    object_path(store, md5).write_text(text)
+    return md5
+
+
+def test_lineage_reads_an_adapters_base_from_the_stores_and_its_weights_md5(adapter_root,
+                                                                           tmp_path):
+    """What `lineage --verify` checks of a LoRA version: the base its alignloop_base.json names
+    has, in the DVC stores, the weights md5 recorded there."""
+    import json
+    import shutil
+
+    from flows import verify
+    from tasks.models import lm
+    root, _ = adapter_root
+    store = tmp_path / "store"
+    base_md5 = _stored(store, root / "models/iter_0/policy")
+    named = json.loads(verify.read_member([store], _stored(store, root / "models/iter_1/policy"),
+                                          "alignloop_base.json"))
+    assert named["base_path"] == "models/iter_0/policy"
+    assert verify.weights_md5([store], base_md5) == named["base_md5"] == \
+        lm.weights_md5(root / "models/iter_0/policy")
+    other = tmp_path / "other"
+    shutil.copytree(root / "models/iter_0/policy", other)
+    (other / "model.safetensors").write_bytes(b"x" + (other / "model.safetensors").read_bytes())
+    assert verify.weights_md5([store], _stored(store, other)) != named["base_md5"]
