@@ -50,7 +50,7 @@ def move(root: Path, alias: str, version: str, why: str, action: str,
     move killed half-way is finished by `ensure`, never recorded twice."""
     client = MlflowClient()
     client.get_model_version(model, version)            # fails clearly on a bad version
-    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "who": _who(root),
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "who": who(root),
              "model": model, "alias": alias, "from": current(client, alias, model),
              "to": str(version), "action": action, "why": why}
     lines = read_ledger(root)
@@ -99,7 +99,8 @@ def _commit_ledger(root: Path, message: str) -> None:
     registry_record.commit(root, message, also=(LEDGER,))
 
 
-def _who(root: Path) -> str:
+def who(root: Path) -> str:
+    """The user (and git's user.name) a ledger line names."""
     name = git(root, "config", "user.name", check=False)
     try:
         user = getpass.getuser()

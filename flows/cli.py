@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flows import cli_workspace, import_pairs, shipped, signals, targets
+from flows import cli_models, cli_workspace, import_pairs, shipped, signals, targets
 from flows import workspace as wsmod
 from flows.cli_views import cmd_dag, cmd_lineage, cmd_params, cmd_report, cmd_status, print_report
 from flows.run import RunFailed, quiet_prefect
@@ -248,6 +248,8 @@ EXAMPLES = """examples:
   alignloop server start && alignloop schedule --cron "0 3 * * 1"
   alignloop schedule --work-pool local --cron "0 3 * * 1"   # for `prefect worker start`
   alignloop judge-server start --model DIR     # an OpenAI-compatible judge on loopback
+  alignloop gc --keep-last 2 --dry-run         # what archiving old weights would free
+  alignloop export models:/alignloop-policy@production out/   # a standalone HF directory
 """
 
 
@@ -352,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     tk.set_defaults(func=cmd_tick)
     import_pairs.add_parser(sub, DEFAULT_WORKSPACE)
     cli_workspace.add_parsers(sub, DEFAULT_WORKSPACE)
+    cli_models.add_parsers(sub, DEFAULT_WORKSPACE)
     return ap
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flows import archived
 from flows import workspace as wsmod
 from flows.run import RunFailed
 from tasks.core import layout
@@ -25,15 +26,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     notice = upgrade_notice(root)
     if notice:
         print(notice, file=sys.stderr if args.json else sys.stdout)
-    states = dag.stage_states(root)
+    gone = archived.archived(root)
+    states = [(s.name, *_state(s.state, s.reasons, gone)) for s in dag.stage_states(root)]
     if args.json:
-        print(json.dumps([{"stage": s.name, "state": s.state, "reasons": s.reasons}
-                          for s in states], indent=2))
+        print(json.dumps([{"stage": name, "state": state, "reasons": reasons}
+                          for name, state, reasons in states], indent=2))
     else:
-        for s in states:
-            why = f"  ({'; '.join(s.reasons)})" if s.reasons else ""
-            print(f"{s.state:<11} {s.name}{why}")
-    return 0 if all(s.state == "up-to-date" for s in states) else 1
+        for name, state, reasons in states:
+            why = f"  ({'; '.join(reasons)})" if reasons else ""
+            print(f"{state:<11} {name}{why}")
+    return 0 if all(state in ("up-to-date", "archived") for _, state, _ in states) else 1
+
+
+def _state(state: str, reasons: list[str], gone: dict[tuple[str, str], Any]
+           ) -> tuple[str, list[str]]:
+    """A stage instance whose only change is weights `alignloop gc` archived is `archived`
+    (`alignloop run` passes it), not missing or changed."""
+    if gone and state != "up-to-date" and archived.archived_reasons(reasons, gone):
+        return "archived", [*reasons, f"weights archived: {archived.LEDGER}"]
+    return state, reasons
 
 
 REPORT_COLUMNS = (("judge", "eval/win_rate"), ("lo", "eval/win_rate_ci_low"),
@@ -114,21 +125,45 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     if not args.verify:
         return 0
     artifacts: dict[tuple[str, str], tuple[dict, str]] = {}
+    bases: list[dict] = []
     node: object = tree
     while isinstance(node, dict):          # this version and every parent policy
         for a in lineage.iter_artifacts(node["produced_by"]):
             artifacts.setdefault((a["path"], a["md5"]), (a, node["git_commit"]))
+        if node.get("base"):
+            bases.append(node["base"])
         node = node.get("parent_policy")
     kept = verify.stores(root, args.skip_remote)
-    problems = verify.verify(root, list(artifacts.values()), kept)
+    readable = [s.base for s in kept if s.base is not None]
+    gone = archived.archived(root)
+    left_out = [k for k in artifacts if k in gone and not verify.present(readable, k[1])]
+    problems = verify.verify(root, [v for k, v in artifacts.items() if k not in left_out], kept)
+    problems += [p for b in bases for p in _base_problems(b, readable)]
     for p in problems:
         print(f"verify: FAILED {p}", file=sys.stderr)
     checked = " and ".join(f"{s.name} ({s.where})" for s in kept if s.base is not None)
     skipped = "; the remote skipped (--skip-remote)" if args.skip_remote else ""
-    print(f"verify: {'FAILED' if problems else 'ok'}: {len(artifacts)} artifacts re-hashed "
-          f"from the {checked}{skipped}"
-          f"{', ' + str(len(problems)) + ' problems' if problems else ''}")
+    gc_note = (f"; {len(left_out)} archived by `alignloop gc` (weights removed, recorded in "
+               f"{archived.LEDGER}): {', '.join(p for p, _ in left_out)}") if left_out else ""
+    print(f"verify: {'FAILED' if problems else 'ok'}: {len(artifacts) - len(left_out)} "
+          f"artifacts re-hashed from the {checked}{skipped}"
+          f"{', ' + str(len(problems)) + ' problems' if problems else ''}{gc_note}")
     return 1 if problems else 0
+
+
+def _base_problems(base: dict, readable: list[Path]) -> list[str]:
+    """An adapter's base: the out dvc.lock records at its path must hold the weights whose md5
+    the adapter names."""
+    from flows import verify
+    where = f"adapter base {base['path']}"
+    if not base.get("dvc_md5"):
+        return [f"{where}: no stage output at that path in dvc.lock"]
+    actual = verify.weights_md5(readable, base["dvc_md5"])
+    if actual is None:
+        return [f"{where} ({base['dvc_md5']}): its weights are in no store"]
+    if actual != base["weights_md5"]:
+        return [f"{where}: weights md5 {actual}, but the adapter names {base['weights_md5']}"]
+    return []
 
 
 def _print_lineage(node: dict, indent: int = 0) -> None:
@@ -136,9 +171,17 @@ def _print_lineage(node: dict, indent: int = 0) -> None:
     print(f"{pad}{node['model']} v{node['version']} {node['aliases'] or ''} "
           f"md5 {node['model_md5']} commit {node['git_commit'][:10]} "
           f"flow-run {node['prefect_flow_run_id']}")
+    if node.get("archived"):
+        print(f"{pad}  weights archived ({node['archived']})")
+    if node.get("base"):
+        b = node["base"]
+        print(f"{pad}  LoRA adapter on base {b['path']} (weights md5 {b['weights_md5']}, "
+              f"dvc md5 {b['dvc_md5']})")
     if node.get("reward_model"):
         rm = node["reward_model"]
-        print(f"{pad}  reward model v{rm['version']} ({rm['dvc_stage']}, md5 {rm['model_md5']})")
+        gone = ", weights archived" if rm.get("archived") else ""
+        print(f"{pad}  reward model v{rm['version']} ({rm['dvc_stage']}, md5 {rm['model_md5']}"
+              f"{gone})")
 
     def stage(n: dict, depth: int) -> None:
         p = "  " * depth

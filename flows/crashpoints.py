@@ -1,5 +1,6 @@
 """Named points in the record step where a crash can be injected, to test that every run
-after a `kill -9` at any of them converges on the same ledger (tests/test_recovery.py).
+after a `kill -9` at any of them converges on the same ledger (tests/test_recovery.py), and in
+`alignloop gc` (tests/test_gc.py).
 
 `ALIGNLOOP_CRASH_AT=POINT@ITERATION` makes the process SIGKILL itself on reaching that point:
 no handler, no finally block, no flush runs, exactly as when a person or the OOM killer kills
@@ -18,6 +19,9 @@ POINTS = ("git_commit",        # the iteration's commit is made, nothing logged 
           "alias_ledger",      # the alias move is in the ledger file, not yet in MLflow
           "alias",             # the alias has moved in MLflow; its ledger is not committed
           "dvc_push")          # everything recorded; the data not yet pushed to the remote
+GC_POINTS = ("gc_aside",       # `alignloop gc` (iteration 0) moved the weights aside; no tag,
+                               #   ledger line or commit yet
+             "gc_record")      # gc's record committed; the remote's objects not yet deleted
 
 
 def reach(point: str, iteration: int) -> None:

@@ -8,6 +8,7 @@ through the stages that produced each input until the initial model and the firs
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,14 @@ from typing import Any
 import yaml
 from mlflow.tracking import MlflowClient
 
+from flows import archived
 from flows.registry import params_md5
 from flows.verify import CACHE, object_path
 from flows.workspace import git
 from tasks.core import layout
 from tasks.core.errors import InputError
 
+BASE_FILE = "alignloop_base.json"     # an adapter's base (tasks/models/adapters.py)
 URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 
 
@@ -121,6 +124,8 @@ def model_lineage(root: Path, client: MlflowClient, mv: Any, depth: int = 0) -> 
         "judge": tags.get("judge"), "algo": tags.get("algo"),
         "prefect_flow_run_id": tags.get("prefect_flow_run_id"), "mlflow_run_id": mv.run_id,
         "alias_history": {k: v for k, v in tags.items() if k.startswith("alias.")},
+        "archived": tags.get(archived.TAG),
+        "base": adapter_base(root, lock, tags.get("model_md5", "")),
         "produced_by": stage_tree(root, lock, tags["dvc_stage"], set()),
     }
     rm_version = tags.get("reward_model_version")
@@ -128,7 +133,8 @@ def model_lineage(root: Path, client: MlflowClient, mv: Any, depth: int = 0) -> 
         rm = client.get_model_version("alignloop-reward-model", rm_version)
         node["reward_model"] = {"model": rm.name, "version": str(rm.version),
                                 "model_md5": rm.tags.get("model_md5"),
-                                "dvc_stage": rm.tags.get("dvc_stage"), "mlflow_run_id": rm.run_id}
+                                "dvc_stage": rm.tags.get("dvc_stage"), "mlflow_run_id": rm.run_id,
+                                "archived": rm.tags.get(archived.TAG)}
     parent = tags.get("parent_policy_version")
     if parent and parent not in ("initial", "unknown"):
         node["parent_policy"] = model_lineage(root, client, client.get_model_version(
@@ -136,6 +142,22 @@ def model_lineage(root: Path, client: MlflowClient, mv: Any, depth: int = 0) -> 
     else:
         node["parent_policy"] = parent
     return node
+
+
+def adapter_base(root: Path, lock: dict[str, Any], model_md5: str) -> dict[str, Any] | None:
+    """The base a LoRA adapter version names (its alignloop_base.json, read from the DVC
+    stores): workspace path, the weights md5 it recorded, and that path's out in dvc.lock at
+    the version's commit. None for a full model or weights no store holds."""
+    from flows.verify import read_member, stores
+    text = read_member([s.base for s in stores(root, skip_remote=False) if s.base],
+                       model_md5, BASE_FILE)
+    if text is None:
+        return None
+    data = json.loads(text)
+    path = str(data.get("base_path", ""))
+    producers = [o for e in lock.values() for o in e.get("outs", []) if o["path"] == path]
+    return {"path": path, "weights_md5": data.get("base_md5"),
+            "dvc_md5": producers[0].get("md5") if producers else None}
 
 
 def iter_artifacts(node: dict[str, Any]) -> list[dict[str, Any]]:

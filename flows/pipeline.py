@@ -20,7 +20,17 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from flows import crashpoints, dag, heartbeats, registry, relocate, signals, targets, tracking
+from flows import (
+    archived,
+    crashpoints,
+    dag,
+    heartbeats,
+    registry,
+    relocate,
+    signals,
+    targets,
+    tracking,
+)
 from flows.messages import say, warn
 from flows.record import IterationRecord, commit_final, record_iteration
 from flows.workspace import STATE_DIR, Workspace
@@ -44,6 +54,9 @@ def run_stage(root: str, name: str, force: bool = False, terminal_cached: bool =
     session = dag.session_for(Path(root), str(run_id)) if run_id else None
     if session is not None and not force and session.up_to_date(name):
         say(f"[cached] {name}", terminal=terminal_cached)
+        return dag.StageRun(name, "cached", 0.0, time.time())
+    if not force and archived.skip(Path(root), name):    # weights `alignloop gc` removed
+        say(f"[archived] {name}", terminal=terminal_cached)
         return dag.StageRun(name, "cached", 0.0, time.time())
     say(f"[{'rerun' if force else 'run'}] {name} ...")
     summary = Path(root) / STATE_DIR / "logs" / f"{name.replace('@', '-')}.summary"
@@ -159,6 +172,10 @@ def alignloop(workspace: str, force: list[str] | None = None) -> list[IterationR
     empty = logging.getLogger("dvc.output")              # a filter acts where it is logged
     if not any(isinstance(f, _EmptyLabels) for f in empty.filters):
         empty.addFilter(_EmptyLabels())
+    for name in archived.PUSH_LOGGERS:                   # `dvc push` on archived weights
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, archived.ArchivedPushWarning) for f in lg.filters):
+            lg.addFilter(archived.ArchivedPushWarning(root))
     ensure_experiment(root)
     records: list[IterationRecord] = []
     stages = dag.ordered_stages(root)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.workspace import git
+from flows.workspace import STATE_DIR, git
 
 ARTIFACT_ROOTS = ("data", "models", "metrics", "audit", "registry")
 _TEMP = re.compile(r"^\..+\.(tmp|old-\d+)$")         # tasks/core/atomic.py's temporary names
@@ -142,7 +142,9 @@ def sweep(root: Path) -> list[str]:
             if _TEMP.match(path.name) and (path.exists() or path.is_symlink()):
                 _remove(path)
                 removed.append(f"{path.relative_to(root)} (temporary, removed)")
-    return removed
+    # and what a killed `alignloop gc` moved aside
+    from flows.gc import finish_interrupted
+    return removed + finish_interrupted(root, root / STATE_DIR)
 
 
 def _remove(path: Path) -> None:
