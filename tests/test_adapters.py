@@ -409,3 +409,23 @@ def test_an_adapters_identity_names_its_base_and_it_loads_merged_for_inference(
     assert ((got - _logprobs(policy)[0]) * mask).abs().max() <= 1e-3
     full = adapters.load_for_inference(root / BASE_PATH, root)
     assert torch.equal(_logprobs(full)[0], _logprobs(plain)[0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gradient_checkpointing_gives_the_adapter_the_same_gradients(arch: str) -> None:
+    """Checkpointing recomputes the base's activations in the backward: the adapter's
+    gradients are those of the plain backward (to float tolerance: the same ops recomputed)."""
+    grads = []
+    for ckpt in (False, True):
+        _, policy = _attached(arch)
+        _perturb(policy)
+        if ckpt:
+            adapters.checkpointed(policy)
+        policy.train()
+        pairs = _pairs(4)
+        lp, mask = lm.response_logprobs(policy, [p.prompt_ids for p in pairs],
+                                        [p.chosen_ids for p in pairs], SPECIAL["pad_token_id"])
+        (lp * mask).sum().backward()
+        grads.append({n: q.grad.clone() for n, q in policy.named_parameters() if q.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])

@@ -296,8 +296,23 @@ def base_of(policy_dir: str | Path, root: str | Path) -> tuple[str, str]:
     model in `policy_dir` itself; (workspace-relative path, weights md5)."""
     if is_adapter_dir(policy_dir):
         return read_base(policy_dir)
-    rel = Path(policy_dir).resolve().relative_to(Path(root).resolve()).as_posix()
+    # lexically, not resolved: a workspace may link its inputs in (the name is the workspace's)
+    rel = Path(os.path.abspath(policy_dir)).relative_to(os.path.abspath(root)).as_posix()
     return rel, lm.weights_md5(policy_dir)
+
+
+def checkpointed(policy: peft.PeftModel) -> peft.PeftModel:
+    """The policy with gradient checkpointing on its base's blocks (transformers' own, non-
+    reentrant: the frozen base needs no input that requires grad): in training mode each
+    block's activations are recomputed in the backward instead of kept. In eval mode (sampling,
+    the reference, the KL budget's measure) nothing changes."""
+    base = policy.get_base_model()
+    with _quiet():
+        if hasattr(base, "activation_checkpointing_enable"):    # transformers' newer name
+            base.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            base.gradient_checkpointing_enable({"use_reentrant": False})
+    return policy
 
 
 def start_policy(policy_dir: str | Path, root: str | Path, lp: LoraParams, rng: torch.Generator,
@@ -305,9 +320,11 @@ def start_policy(policy_dir: str | Path, root: str | Path, lp: LoraParams, rng: 
     """The policy an update trains under `update.lora`: the adapter saved in `policy_dir`,
     trainable (iteration k continues from k-1's), or a fresh adapter on the full model there.
     An adapter of another shape than `lp` asks for (r, alpha, target modules) is refused in one
-    line: it cannot be continued as another."""
+    line: it cannot be continued as another. With `lp.gradient_checkpointing`, checkpointed.
+    """
     if not is_adapter_dir(policy_dir):
-        return attach(lm.load_causal_lm(policy_dir, device), lp, rng)
+        policy = attach(lm.load_causal_lm(policy_dir, device), lp, rng)
+        return checkpointed(policy) if lp.gradient_checkpointing else policy
     config = json.loads((Path(policy_dir) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     saved = (config.get("r"), float(config.get("lora_alpha", 0)),
              sorted(config.get("target_modules") or []))
@@ -316,4 +333,5 @@ def start_policy(policy_dir: str | Path, root: str | Path, lp: LoraParams, rng: 
         raise ModelError(f"{Path(policy_dir) / ADAPTER_CONFIG}: r, lora_alpha, target_modules "
                          f"{saved} but update.lora asks for {wanted}: an adapter continues with "
                          "its own shape (set update.lora as it was, or start a new workspace)")
-    return load_policy(policy_dir, root, device, trainable=True)
+    policy = load_policy(policy_dir, root, device, trainable=True)
+    return checkpointed(policy) if lp.gradient_checkpointing else policy

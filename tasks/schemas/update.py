@@ -91,6 +91,10 @@ class LoraParams:
     r: int = 0                      # adapter rank (0 = off: every weight of the policy trains)
     alpha: float = 16.0             # LoRA's alpha: the adapter's update B A is scaled by alpha / r
     dropout: float = 0.0            # dropout on the adapter's input while training, in [0, 1)
+    gradient_checkpointing: bool = True  # recompute each block's activations in the backward
+                                    #   instead of keeping them: the update holds the frozen base
+                                    #   and about one block's activations (its peak memory, not
+                                    #   its result; benchmarks/lora_cost.py measures both sides)
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj",
                                        "gate_proj", "up_proj", "down_proj")  # the linear
                                     #   layers that get an adapter, by module name (default:
