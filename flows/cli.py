@@ -232,6 +232,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"http://{args.host}:{args.port}/invocations", flush=True)
     cmd = [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(model_dir),
            "--env-manager", "local", "-h", args.host, "-p", str(args.port)]
+    if (Path(model_dir) / layout.ADAPTER_BASE).is_file():   # a LoRA adapter: MLflow finds
+        os.chdir(ws.root)                  # its base by the workspace-relative path it names
     os.execvpe(cmd[0], cmd, {**os.environ, **wsmod.environment(ws)})
     return 0                                               # not reached
 

@@ -168,3 +168,38 @@ def project_imports(source: str, known: Collection[str]) -> set[str]:
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
     return {m for m in out if m in known}
+
+
+def serve_and_chat(ws: Path, request: dict[str, object]) -> object:
+    """`alignloop serve` of the workspace's champion (MLflow's scoring server, PATH without this
+    interpreter's bin directory, run from another directory than the workspace), one request to
+    /invocations, the server stopped; the decoded reply."""
+    import socket
+    import time
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--workspace", str(ws),
+                               "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            try:
+                if urllib.request.urlopen(f"{url}/ping", timeout=5).status == 200:
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the scoring server did not come up"
+                time.sleep(1)
+        body = json.dumps(request).encode()
+        req = urllib.request.Request(f"{url}/invocations", data=body,
+                                     headers={"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
+    return reply

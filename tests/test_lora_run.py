@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, copy_workspace, ran_stages, run_cli
+from conftest import ROOT, copy_workspace, ran_stages, run_cli, serve_and_chat
 from tasks.core import layout
 from tasks.models import adapters, lm
 
@@ -87,3 +87,16 @@ def test_the_registered_adapter_loads_with_mlflow_and_peft_from_the_workspace(
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["type"] == "PeftModelForCausalLM"
     assert got["mlflow_vs_ours"] <= 1e-3 and got["peft_vs_ours"] <= 1e-3
+
+
+@pytest.mark.slow                  # MLflow's scoring server starts in ~30 s
+def test_alignloop_serve_chats_with_the_lora_champion(lora_run: dict[str, object]) -> None:
+    """`alignloop serve` of an adapter version: MLflow's server loads the base the adapter
+    names (from the workspace, whatever directory the command runs in) and answers a chat."""
+    reply = serve_and_chat(Path(str(lora_run["ws"])),
+                           {"messages": [{"role": "user", "content": "A film?"}],
+                            "max_tokens": 6})
+    out = reply["predictions"] if "predictions" in reply else reply  # type: ignore[operator,index]
+    completion = out[0] if isinstance(out, list) else out
+    assert completion["object"] == "chat.completion"
+    assert completion["choices"][0]["message"]["role"] == "assistant"

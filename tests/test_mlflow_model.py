@@ -212,43 +212,12 @@ def test_alignloop_serve_answers_a_chat_request_over_http(tiny_run, tmp_path):
     """`alignloop serve` (MLflow's scoring server on the champion, the workspace's store, PATH
     without this interpreter's bin directory): a `messages` request gets the assistant's reply
     as a chat completion, not the prompt echoed; a mistyped alias is one line."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    from conftest import ROOT, copy_workspace, run_cli
+    from conftest import copy_workspace, run_cli, serve_and_chat
     ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")
     bad = run_cli("serve", "models:/alignloop-policy@prod", "--workspace", str(ws), check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: models:/alignloop-policy@prod: "
                                                          "alignloop-policy has no alias prod")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PATH": "/usr/bin:/bin"}
-    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--workspace", str(ws),
-                               "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, server.stdout.read()[-3000:]
-            try:
-                if urllib.request.urlopen(f"{url}/ping", timeout=5).status == 200:
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the scoring server did not come up"
-                time.sleep(1)
-        body = json.dumps({"messages": CHAT, "max_tokens": 8}).encode()
-        req = urllib.request.Request(f"{url}/invocations", data=body,
-                                     headers={"Content-Type": "application/json"})
-        reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
-    finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=60)
+    reply = serve_and_chat(ws, {"messages": CHAT, "max_tokens": 8})
     out = reply["predictions"] if "predictions" in reply else reply
     completion = out[0] if isinstance(out, list) else out
     assert completion["object"] == "chat.completion"

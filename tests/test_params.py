@@ -333,3 +333,21 @@ def test_lora_on_several_processes_is_refused(tmp_path: Path) -> None:
 def test_lora_section_with_r_0_loads(tmp_path: Path) -> None:
     path = write(tmp_path, BASE.replace("update:\n", "update:\n  lora:\n    r: 0\n    alpha: 8\n"))
     assert load_params(path).update.lora.alpha == 8.0
+
+
+@pytest.mark.parametrize("name, base, also", [
+    ("default-lora.yaml", "default.yaml", {("update", "dpo", "lr")}),
+    ("tiny-lora.yaml", "tiny.yaml", set())])
+def test_lora_profiles_differ_from_their_base_only_in_the_adapter(name: str, base: str,
+                                                                  also: set) -> None:
+    """default-lora and tiny-lora: their base's loop with a LoRA adapter (and default-lora's
+    larger step), never a copy that drifted."""
+    full = leaves(to_dict(load_params(PARAMS_DIR / base)))
+    lora = leaves(to_dict(load_params(PARAMS_DIR / name)))
+    assert full.keys() == lora.keys()
+    changed = {k for k in full if full[k] != lora[k]}
+    assert changed - also == {("update", "lora", "r"), ("update", "lora", "alpha")} and \
+        also <= changed
+    assert full[("update", "lora", "r")] == 0 and lora[("update", "lora", "r")] > 0
+    own = yaml.safe_load((PARAMS_DIR / name).read_text())
+    assert set(own) == {"base", "update"} and own["base"] == base

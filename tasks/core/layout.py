@@ -29,6 +29,7 @@ IMPORT_PAIRS = "data/import/pairs.jsonl"   # `alignloop import` writes it (offpo
 OFFPOLICY_METRICS = "metrics/offpolicy.json"
 TARGETS = "metrics/targets.json"          # the last iteration against the profile's targets
 MODEL_META = "alignloop_model.json"      # written inside every saved model directory
+ADAPTER_BASE = "alignloop_base.json"     # ... of a LoRA adapter: the base it names (path, md5)
 TRAINING_CURVE = "training_curve.json"   # in a model directory: one record per optimiser step
 MODEL_CARD = "README.md"                 # ... and its model card (tasks/models/model_card.py)
 MLMODEL = "MLmodel"                      # ... and its MLflow model file (models/mlflow_model.py)

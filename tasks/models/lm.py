@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from tasks.core import layout
 from tasks.core.errors import InputError
 from tasks.data.records import Prompt, prompt_to_record
 from tasks.runtime.device import Device, device_of
@@ -64,7 +65,7 @@ def load_causal_lm(path: str | Path, device: Device = "cpu") -> transformers.Pre
     return model.to(device).eval()
 
 
-ADAPTER_BASE = "alignloop_base.json"   # an adapter directory's base (tasks/models/adapters.py)
+ADAPTER_BASE = layout.ADAPTER_BASE     # an adapter directory's base (tasks/models/adapters.py)
 
 
 def weights_md5(path: str | Path) -> str:
