@@ -84,3 +84,51 @@ def test_own_hf_dir_model_runs_the_loop_and_chats(tmp_path: Path,
     new = out[0, ids["input_ids"].shape[1]:]
     assert 0 < len(new) <= 8
     assert isinstance(policy_tok.decode(new, skip_special_tokens=True), str)
+
+
+def save_own_qwen2(out: Path, tok: transformers.PreTrainedTokenizerBase) -> None:
+    """A random Qwen2-architecture model (grouped-query attention, q/k/v biases) beside the
+    same real tokenizer."""
+    config = transformers.Qwen2Config(
+        vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id)
+    torch.manual_seed(7)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+@pytest.mark.slow      # two loops through the CLI: minutes
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_own_model_with_lora_runs_registers_and_loads(tmp_path: Path, tmp_path_factory,
+                                                      arch: str) -> None:
+    """A user's own model (a small random Llama or Qwen2 with a real tokenizer) through the CLI
+    with a LoRA adapter: both iterations run and register; each policy directory is an adapter
+    on the user's model, and the registered champion loads from the workspace root with PEFT."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    tok = smollm2_tokenizer(Path(os.environ.get(CACHE_ENV)
+                                 or tmp_path_factory.getbasetemp() / "tokenizer-cache"))
+    src = tmp_path / f"my-{arch}"
+    (save_own_model if arch == "llama" else save_own_qwen2)(src, tok)
+    params = tmp_path / "own.yaml"
+    params.write_text((ROOT / "params" / "tiny-lora.yaml").read_text().replace(
+        "base: tiny.yaml", f"base: {TINY}") + f"model:\n  source: hf_dir\n  path: {src}\n"
+        "offpolicy:\n  n_prompts: 6\nrollout:\n  n_prompts: 6\nevaluate:\n  n_prompts: 4\n")
+    ws = tmp_path / "ws"
+    out = run_cli("run", "--params", str(params), "--workspace", str(ws))
+    assert "iteration 2: policy v2" in out.stdout, out.stdout[-2000:]
+    for it in (1, 2):
+        policy_dir = ws / layout.policy(it)
+        assert (policy_dir / "adapter_config.json").is_file()
+        assert not (policy_dir / "model.safetensors").exists()
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import peft; m = peft.AutoPeftModelForCausalLM.from_pretrained("
+         f"'{layout.policy(2)}'); print(type(m.get_base_model()).__name__)"],
+        cwd=ws, capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.strip().splitlines()[-1] == \
+        ("LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM")
