@@ -96,9 +96,13 @@ def stage_tree(root: Path, lock: dict[str, Any], name: str, seen: set[str]) -> d
         "inputs": [],
     }
     seen.add(name)
+    listed: set[str] = set()
     for dep in entry.get("deps", []):
-        if dep["path"].startswith("tasks/"):
+        # a path dvc.yaml names twice for one instance (iteration 1's `prev` is iteration 0's
+        # model, also named as a LoRA policy's base or the reference) is one input
+        if dep["path"].startswith("tasks/") or dep["path"] in listed:
             continue
+        listed.add(dep["path"])
         item = _artifact(root, dep)
         producer = producers.get(dep["path"])
         if producer is None:
