@@ -98,7 +98,7 @@ def test_a_frozen_backbone_stores_the_heads_and_the_backbones_record(
     assert {f.relative_to(rm).as_posix() for f in rm.rglob("*") if f.is_file()} == \
         (FILES - {HEAD_FILE}) | {(h / HEAD_FILE).relative_to(rm).as_posix() for h in heads}
     assert json.loads((rm / BACKBONE_FILE).read_text()) == {
-        "path": layout.policy(0), "weights_md5": lm.weights_md5(policy), "num_layers": 1}
+        "base_path": layout.policy(0), "base_md5": lm.weights_md5(policy), "num_layers": 1}
     loaded = load_reward_model(rm)
     assert len(loaded) == ensemble and loaded.pooling == "mean"
     initial = load_file(str(policy / "model.safetensors"))
@@ -112,6 +112,7 @@ def test_a_frozen_backbone_stores_the_heads_and_the_backbones_record(
     assert _bytes(rm) < 0.01 * _bytes(whole)
     card = (rm / model_card.CARD_FILE).read_text()
     assert "python_function flavor" in card and lm.weights_md5(policy) in card
+    assert "LoRA" not in card                   # the base file is named as an adapter's
 
 
 @pytest.mark.parametrize("ensemble, pooling", [(1, "mean"), (2, "last")])
@@ -146,22 +147,35 @@ def test_a_backbone_with_other_weights_or_none_is_refused_in_one_line(single: Pa
                                                                      tmp_path: Path) -> None:
     root = Path(shutil.copytree(single, tmp_path / "ws"))
     rm, policy = root / layout.reward_model(1), root / layout.policy(0)
-    recorded = json.loads((rm / BACKBONE_FILE).read_text())["weights_md5"]
+    recorded = json.loads((rm / BACKBONE_FILE).read_text())["base_md5"]
     weights = load_file(str(policy / "model.safetensors"))
     weights["model.norm.weight"] = weights["model.norm.weight"] + 1.0
     save_file(weights, str(policy / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelError) as e:
         load_reward_model(rm)
     msg = str(e.value)
-    assert msg.startswith(f"{rm / BACKBONE_FILE}: weights_md5: ") and recorded in msg
+    assert msg.startswith(f"{rm / BACKBONE_FILE}: base_md5: {recorded} recorded")
     assert "\n" not in msg
     shutil.rmtree(policy)
-    with pytest.raises(ModelError, match=r"backbone\.json: path: .* holds no saved model$"):
+    with pytest.raises(ModelError, match=r"_base\.json: base_path: .* holds no saved model$"):
         load_reward_model(rm)
     elsewhere = Path(shutil.copytree(rm, tmp_path / "copy" / "rm"))   # outside its workspace
     with pytest.raises(ModelError, match="holds no saved model"):
         load_reward_model(elsewhere)
     assert len(load_reward_model(elsewhere, root=single)) == 1     # its workspace named
+
+
+@pytest.mark.parametrize("edit, field", [({"num_layers": "12"}, "num_layers"),
+                                         ({"base_md5": ""}, "base_md5"),
+                                         ({"base_path": "../elsewhere/policy"}, "base_path")])
+def test_a_malformed_base_record_is_one_line_naming_the_field(single: Path, tmp_path: Path,
+                                                             edit: dict, field: str) -> None:
+    rm = Path(shutil.copytree(single / layout.reward_model(1), tmp_path / "rm"))
+    record = json.loads((rm / BACKBONE_FILE).read_text())
+    (rm / BACKBONE_FILE).write_text(json.dumps({**record, **edit}))
+    with pytest.raises(ModelError) as e:
+        load_reward_model(rm, root=single)
+    assert str(e.value).startswith(f"{rm / BACKBONE_FILE}: {field}: ") and "\n" not in str(e.value)
 
 
 def test_the_judges_identity_follows_the_head_and_the_backbone(single: Path,
@@ -180,7 +194,7 @@ def test_the_judges_identity_follows_the_head_and_the_backbone(single: Path,
     second = rm_md5(rm)
     record = json.loads((rm / BACKBONE_FILE).read_text())
     seen = {first, second}
-    for edit in ({"weights_md5": "0" * 32}, {"num_layers": 2}):
+    for edit in ({"base_md5": "0" * 32}, {"num_layers": 2}):
         (rm / BACKBONE_FILE).write_text(json.dumps({**record, **edit}))
         seen.add(rm_md5(rm))
     assert len(seen) == 4

@@ -49,7 +49,7 @@ def rm_md5(path: Path) -> str:
     for d in member_dirs(path):
         h.update(lm.weights_md5(d).encode())
     if (ref := read_backbone(path)) is not None:
-        h.update(f"{ref.weights_md5}:{ref.num_layers}".encode())
+        h.update(f"{ref.base_md5}:{ref.num_layers}".encode())
     return h.hexdigest()
 
 

@@ -244,7 +244,7 @@ def write_model_card(model_dir: Path, root: Path, stage: str, it: int, p: Params
                      "over the response's tokens (`train_rm.pooling: mean`); a plain "
                      "text-classification pipeline reads the last token instead, so score with "
                      "`tasks.reward.reward_model.load_reward_model` for the rewards the loop used.")
-    if (model_dir / lm.ADAPTER_BASE).is_file():
+    if role == "policy" and (model_dir / lm.ADAPTER_BASE).is_file():   # an RM's: its note
         notes.append(adapter_note(model_dir, model_path))
     name = stage if stage == "prepare_model" else f"{stage}@{it}"
     card = Card(name, role, it, model_path, task, base_model(meta), meta, algorithm(p, stage), md5,

@@ -12,9 +12,10 @@ alone). An ensemble's reward is the mean over its members and its uncertainty
 the (population) std. Saved layout: K = 1 is one model directory (`models/iter_k/rm/`);
 K > 1 keeps each member in `models/iter_k/rm/member_<i>/`, with the stats beside them. A
 fine-tuned backbone is saved whole (save_pretrained); a frozen one (epochs 0: only the heads
-were fitted) is not copied: each member keeps its head (`head.safetensors`) and `backbone.json`
-names the blocks it reads (the workspace's initial policy, its weights md5, the depth kept),
-about 10 KB instead of a model's worth (`load_reward_model` rebuilds the same model).
+were fitted) is not copied: each member keeps its head (`head.safetensors`) and
+`alignloop_base.json` names the blocks they read (the workspace's initial policy, its weights
+md5, the depth kept), about 10 KB instead of a model's worth (`load_reward_model` rebuilds the
+same model).
 Loading, scoring and training live here, the features the head reads in
 tasks/reward/features.py, the probe head in tasks/reward/probe.py; `train_rm` is the stage edge.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import posixpath
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -45,7 +47,8 @@ from tasks.schemas.train_rm import TrainRMParams
 
 STATS_FILE = layout.RM_STATS
 HEAD_FILE = "head.safetensors"      # a frozen backbone's reward model: a member's score layer
-BACKBONE_FILE = "backbone.json"     # ... and the backbone its members read (`BackboneRef`)
+BACKBONE_FILE = lm.ADAPTER_BASE     # ... and the base its members read (`BackboneRef`), named
+#                                    as a LoRA adapter names its base (tasks/models/adapters.py)
 # MLflow loads a head-only reward model as a python_function model through this module's
 # `_load_pyfunc`: a table of prompt (a user message) and response texts in, their rewards out
 SCORER_MODULE = "tasks.judging.judge_rm"
@@ -94,9 +97,10 @@ RewardModel = transformers.PreTrainedModel | RewardEnsemble
 @dataclass(frozen=True)
 class BackboneRef:
     """The frozen backbone a head-only reward model reads: the first `num_layers` blocks of the
-    model at `path` (relative to the workspace) whose weights have md5 `weights_md5`."""
-    path: str
-    weights_md5: str
+    model at `base_path` (relative to the workspace) whose weights have md5 `base_md5`
+    (`lm.weights_md5`); stored as alignloop_base.json with these three keys."""
+    base_path: str
+    base_md5: str
     num_layers: int
 
 
@@ -113,15 +117,26 @@ def member_dirs(path: Path) -> list[Path]:
 
 
 def read_backbone(path: Path) -> BackboneRef | None:
-    """The backbone record of a head-only reward model; None for a model saved whole."""
+    """The backbone record of a head-only reward model; None for a model saved whole. A
+    malformed one is a ModelError naming the file and the field."""
     f = Path(path) / BACKBONE_FILE
     if not f.is_file():
         return None
     try:
-        return BackboneRef(**json.loads(f.read_text()))
-    except (ValueError, TypeError) as e:
-        raise ModelError(f"{f}: not a backbone record (path, weights_md5, num_layers): "
-                         f"{e}") from None
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{f}: not a JSON object ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{f}: not a JSON object")
+    for key, kind in (("base_path", str), ("base_md5", str), ("num_layers", int)):
+        if not isinstance(data.get(key), kind) or not data[key] or isinstance(data[key], bool):
+            raise ModelError(f"{f}: {key}: expected a non-empty {kind.__name__}, got "
+                             f"{data.get(key)!r}")
+    norm = posixpath.normpath(data["base_path"])
+    if data["base_path"].startswith(("/", "~")) or norm == ".." or norm.startswith("../"):
+        raise ModelError(f"{f}: base_path: {data['base_path']!r} is not relative to the "
+                         "workspace")
+    return BackboneRef(data["base_path"], data["base_md5"], data["num_layers"])
 
 
 def workspace_of(rm_dir: Path) -> Path:
@@ -143,12 +158,12 @@ def backbone_dir(path: Path, root: Path | None = None, verify: bool = True) -> P
     if ref is None:
         return Path(path)
     where = Path(path) / BACKBONE_FILE
-    found = (workspace_of(path) if root is None else Path(root)) / ref.path
+    found = (workspace_of(path) if root is None else Path(root)) / ref.base_path
     if not (found / "config.json").is_file():
-        raise ModelError(f"{where}: path: {found} holds no saved model")
-    if verify and (md5 := lm.weights_md5(found)) != ref.weights_md5:
-        raise ModelError(f"{where}: weights_md5: {found} has weights md5 {md5}, the reward "
-                         f"model's head was fitted on {ref.weights_md5}")
+        raise ModelError(f"{where}: base_path: {found} holds no saved model")
+    if verify and (md5 := lm.weights_md5(found)) != ref.base_md5:
+        raise ModelError(f"{where}: base_md5: {ref.base_md5} recorded, but the weights in "
+                         f"{found} have md5 {md5} (the head was fitted on another backbone)")
     return found
 
 

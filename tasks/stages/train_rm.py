@@ -111,8 +111,8 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
 def backbone_note(ref: BackboneRef) -> str:
     """The model card's word on a head-only reward model."""
     return (f"Only the head is stored here (`{HEAD_FILE}`, per member): the backbone is "
-            f"`{ref.path}` cut to its first {ref.num_layers} block(s) (weights md5 "
-            f"`{ref.weights_md5}`, `{BACKBONE_FILE}`), frozen while the head was fitted, and "
+            f"`{ref.base_path}` cut to its first {ref.num_layers} block(s) (weights md5 "
+            f"`{ref.base_md5}`, `{BACKBONE_FILE}`), frozen while the head was fitted, and "
             "its tokenizer is that directory's. `tasks.reward.reward_model.load_reward_model` "
             "rebuilds the model (and refuses a backbone with other weights); MLflow loads it as "
             "a python_function model scoring prompt and response texts.")
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             mlflow_model.write_mlflow_model(tmp, "text-classification", info)
         else:                                   # no weights here for the transformers flavor
             mlflow_model.write_pyfunc_model(tmp, SCORER_MODULE, SCORER_SIGNATURE,
-                                            {**info, "backbone": frozen.path})
+                                            {**info, "base_path": frozen.base_path})
         model_card.write_model_card(tmp, root, "train_rm", it, p, metrics,
                                     [] if frozen is None else [backbone_note(frozen)])
     jsonl.write(root / layout.audit_queue(it), queue)
