@@ -128,10 +128,13 @@ def read_backbone(path: Path) -> BackboneRef | None:
         raise ModelError(f"{f}: not a JSON object ({e})") from None
     if not isinstance(data, dict):
         raise ModelError(f"{f}: not a JSON object")
-    for key, kind in (("base_path", str), ("base_md5", str), ("num_layers", int)):
-        if not isinstance(data.get(key), kind) or not data[key] or isinstance(data[key], bool):
-            raise ModelError(f"{f}: {key}: expected a non-empty {kind.__name__}, got "
-                             f"{data.get(key)!r}")
+    for key, want in (("base_path", "a non-empty string"), ("base_md5", "a non-empty string"),
+                      ("num_layers", "a positive integer")):
+        value = data.get(key)
+        ok = (isinstance(value, int) and not isinstance(value, bool) and value > 0
+              if key == "num_layers" else isinstance(value, str) and bool(value))
+        if not ok:
+            raise ModelError(f"{f}: {key}: expected {want}, got {value!r}")
     norm = posixpath.normpath(data["base_path"])
     if data["base_path"].startswith(("/", "~")) or norm == ".." or norm.startswith("../"):
         raise ModelError(f"{f}: base_path: {data['base_path']!r} is not relative to the "
