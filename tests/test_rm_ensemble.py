@@ -109,6 +109,21 @@ def test_member_dirs_single_and_ensemble(tmp_path: Path) -> None:
     assert [d.name for d in member_dirs(ens)] == ["member_0", "member_1", "member_2", "member_10"]
 
 
+def test_member_dirs_of_a_head_only_model_and_a_member_with_neither(tmp_path: Path) -> None:
+    """A frozen backbone's members hold only head.safetensors; a member with no head and no
+    config is refused in one line naming it."""
+    from tasks.models.lm import ModelError
+    from tasks.reward.reward_model import HEAD_FILE
+    heads = tmp_path / "rm"
+    for i in (0, 1):
+        (heads / f"{layout.RM_MEMBER_PREFIX}{i}").mkdir(parents=True)
+        (heads / f"{layout.RM_MEMBER_PREFIX}{i}" / HEAD_FILE).write_bytes(b"")
+    assert [d.name for d in member_dirs(heads)] == ["member_0", "member_1"]
+    (heads / f"{layout.RM_MEMBER_PREFIX}2").mkdir()
+    with pytest.raises(ModelError, match=r"member_2: no config.json"):
+        member_dirs(heads)
+
+
 # --- audit: pair ids, labels, override, queue -------------------------------------------------
 
 def pair(i: int, source: str = "iter_1", **meta: object) -> PreferencePair:

@@ -12,30 +12,44 @@ reward model from elsewhere reads a finished text; the prompt through the RM's o
 template, at most `max_length` tokens each. A model from elsewhere (no reward_stats.json of
 ours) is read where its own HF forward reads: at the last token that is not its config's pad
 token, so with pad = EOS (common) at the token before the EOS; ours where they were trained.
-Its identity (`version`) is the directory name and the md5 of its weights: recorded in every
-pair's `meta.judge`.
+Its identity (`version`) is the directory name and the md5 of its weights (a head-only one of
+ours: its heads' and its backbone's recorded md5 and depth): recorded in every pair's
+`meta.judge`. The tokenizer is the model directory's, or a head-only model's backbone's. MLflow
+loads a head-only reward model of ours through `_load_pyfunc` here.
 """
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from tasks.data.records import Prompt
+from tasks.data.records import Message, Prompt
 from tasks.judging.judges import Verdict, verdict_from_scores
 from tasks.models import lm
 from tasks.models.lm import ModelError
-from tasks.reward.reward_model import STATS_FILE, load_reward_model, member_dirs, reward_mean_std
+from tasks.reward.reward_model import (
+    STATS_FILE,
+    backbone_dir,
+    load_reward_model,
+    member_dirs,
+    read_backbone,
+    reward_mean_std,
+)
 from tasks.runtime.device import Device
+from tasks.schemas.judge import JudgeParams
 
 
 def rm_md5(path: Path) -> str:
-    """md5 over the weights of every member of a saved reward model."""
+    """md5 over the weights of every member of a saved reward model; a head-only one's heads,
+    then its backbone's recorded weights md5 and depth (load_reward_model checks the md5)."""
     h = hashlib.md5()
     for d in member_dirs(path):
         h.update(lm.weights_md5(d).encode())
+    if (ref := read_backbone(path)) is not None:
+        h.update(f"{ref.base_md5}:{ref.num_layers}".encode())
     return h.hexdigest()
 
 
@@ -49,7 +63,7 @@ class RewardModelJudge:
             if getattr(m.config, "num_labels", None) != 1 or not hasattr(m, "score"):
                 raise ModelError(f"{model_dir}: not a reward model (a sequence-classification "
                                  "model with one label and a `score` head)")
-        self.tok = lm.load_tokenizer(model_dir)
+        self.tok = lm.load_tokenizer(backbone_dir(model_dir, verify=False))   # checked above
         ours = (model_dir / STATS_FILE).is_file()
         self.pad_read = None if ours else self.rm.members[0].config.pad_token_id
         self.tie_margin, self.min_words = tie_margin, min_words
@@ -80,3 +94,24 @@ class RewardModelJudge:
     def compare(self, prompt: Prompt, first: str, second: str) -> Verdict:
         a, b = self.score([prompt, prompt], [first, second])
         return verdict_from_scores(a, b, self.tie_margin)
+
+
+class RewardScorer:
+    """An MLflow python_function model: the reward of each row's `response` to its `prompt` (a
+    user message), as the reward_model judge scores texts (`max_length` tokens of each)."""
+
+    def __init__(self, judge: RewardModelJudge):
+        self.judge = judge
+
+    def predict(self, model_input: Any, params: dict[str, Any] | None = None) -> list[float]:
+        """`model_input`: a pandas DataFrame with string columns prompt and response."""
+        prompts = [(Message("user", str(x)),) for x in model_input["prompt"]]
+        scores = self.judge.score(prompts, [str(y) for y in model_input["response"]])
+        return [float("nan") if r is None else r for r in scores]
+
+
+def _load_pyfunc(path: str) -> RewardScorer:
+    """MLflow's loader (`python_function` flavor, `loader_module`) of the reward model at
+    `path`, in its workspace; every response is scored (min_words 0)."""
+    default = JudgeParams()
+    return RewardScorer(RewardModelJudge(Path(path), default.tie_margin, 0, default.max_length))

@@ -176,3 +176,28 @@ def write_mlflow_model(model_dir: Path, task: str, info: Mapping[str, object],
     _dump(model_dir / "python_env.yaml", {
         "python": python, "build_dependencies": _pinned("pip", "setuptools") + ["wheel"],
         "dependencies": ["-r requirements.txt"]})
+
+
+def write_pyfunc_model(model_dir: Path, loader_module: str, model_signature: Mapping[str, object],
+                       info: Mapping[str, object]) -> None:
+    """Make `model_dir` an MLflow python_function model loaded by `loader_module`'s
+    `_load_pyfunc(model_dir)`, for a directory that holds no transformers model of its own (a
+    reward model's heads on a backbone stored elsewhere); `model_signature` as `signature`
+    returns it, `info` as for write_mlflow_model. The same environment files; the loader
+    module is alignloop's own, so MLflow loads it where alignloop is installed."""
+    model_dir = Path(model_dir)
+    python = platform.python_version()
+    _dump(model_dir / MLMODEL, {
+        "flavors": {"python_function": {
+            "env": {"conda": "conda.yaml", "virtualenv": "python_env.yaml"},
+            "loader_module": loader_module, "python_version": python}},
+        "metadata": {"alignloop": dict(info)}, "mlflow_version": _version("mlflow"),
+        "signature": dict(model_signature)})
+    requirements = _pinned("mlflow", "transformers", "torch")
+    (model_dir / "requirements.txt").write_text("\n".join(requirements) + "\n")
+    _dump(model_dir / "conda.yaml", {
+        "channels": ["conda-forge"], "name": "mlflow-env",
+        "dependencies": [f"python={python}", "pip", {"pip": requirements}]})
+    _dump(model_dir / "python_env.yaml", {
+        "python": python, "build_dependencies": _pinned("pip", "setuptools") + ["wheel"],
+        "dependencies": ["-r requirements.txt"]})

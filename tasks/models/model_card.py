@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ class Card:
     parent: str | None                      # the parent policy (or RM backbone) directory
     weights_md5: dict[str, str] = field(default_factory=dict)   # member dir -> md5
     notes: list[str] = field(default_factory=list)
+    flavor: str = "transformers"            # the MLflow flavor MLmodel offers for it
 
 
 def _lookup(tree: Any, dotted: str) -> Any:
@@ -157,7 +158,7 @@ def render(card: Card) -> str:
         "---", data.to_yaml(), "---", "",
         f"# alignloop {card.role.replace('_', ' ')}, iteration {card.iteration}", "",
         f"`{card.model_path}` in an alignloop workspace, written by DVC stage `{card.stage}`; "
-        "this directory is also an MLflow model (`MLmodel`, transformers flavor, task "
+        f"this directory is also an MLflow model (`MLmodel`, {card.flavor} flavor, task "
         f"`{card.task}`).", "", *[f"{n}\n" for n in card.notes],
         "## Base model", "", card.base_model, "", _table(card.base_meta), "",
         "## Training", "", _table(card.algorithm), "",
@@ -219,10 +220,10 @@ def adapter_note(model_dir: Path, model_path: str) -> str:
 
 
 def write_model_card(model_dir: Path, root: Path, stage: str, it: int, p: Params,
-                     metrics: Mapping[str, float]) -> None:
+                     metrics: Mapping[str, float], notes: Sequence[str] = ()) -> None:
     """Write README.md into `model_dir`, the new directory of stage `stage`@`it` (before it is
-    renamed into place, after its alignloop_model.json); the base model comes from the
-    initial policy's alignloop_model.json."""
+    renamed into place, after its alignloop_model.json and MLmodel); the base model comes from
+    the initial policy's alignloop_model.json. `notes`: the stage's own, shown first."""
     model_dir = Path(model_dir)
     role, task = STAGES[stage]
     model_path = layout.policy(it) if role == "policy" else layout.reward_model(it)
@@ -230,18 +231,23 @@ def write_model_card(model_dir: Path, root: Path, stage: str, it: int, p: Params
     meta = json.loads((meta_dir / layout.MODEL_META).read_text())
     md5, datasets, judges = provenance(root, stage, it)
     weights = _weights(model_dir)
-    notes = [f"An ensemble of {len(weights)} members: MLflow loads `member_0` alone; "
-             "alignloop's `tasks.reward.reward_model.load_reward_model` loads them all."] \
-        if len(weights) > 1 else []
-    if stage == "train_rm" and p.train_rm.pooling == "mean":
+    mlmodel = model_dir / layout.MLMODEL
+    flavors = (YAML(typ="safe").load(mlmodel.read_text())["flavors"] if mlmodel.is_file()
+               else {"transformers": {}})
+    flavor = "transformers" if "transformers" in flavors else "python_function"
+    notes = list(notes)
+    if len(weights) > 1 and flavor == "transformers":
+        notes.append(f"An ensemble of {len(weights)} members: MLflow loads `member_0` alone; "
+                     "alignloop's `tasks.reward.reward_model.load_reward_model` loads them all.")
+    if stage == "train_rm" and p.train_rm.pooling == "mean" and flavor == "transformers":
         notes.append("The reward is the head applied to the mean of the backbone's final states "
                      "over the response's tokens (`train_rm.pooling: mean`); a plain "
                      "text-classification pipeline reads the last token instead, so score with "
                      "`tasks.reward.reward_model.load_reward_model` for the rewards the loop used.")
-    if (model_dir / lm.ADAPTER_BASE).is_file():
+    if role == "policy" and (model_dir / lm.ADAPTER_BASE).is_file():   # an RM's: its note
         notes.append(adapter_note(model_dir, model_path))
     name = stage if stage == "prepare_model" else f"{stage}@{it}"
     card = Card(name, role, it, model_path, task, base_model(meta), meta, algorithm(p, stage), md5,
                 datasets, judges, {k: float(v) for k, v in metrics.items()},
-                parent_of(stage, it, prev_of(p, it)), weights, notes)
+                parent_of(stage, it, prev_of(p, it)), weights, notes, flavor)
     ModelCard(render(card)).save(model_dir / CARD_FILE)

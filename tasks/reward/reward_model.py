@@ -10,32 +10,52 @@ in closed form on frozen features first (`head_init: probe`: an L2 logistic regr
 chosen-minus-rejected features), then fine-tuned with the backbone for `epochs` (0 = the probe
 alone). An ensemble's reward is the mean over its members and its uncertainty
 the (population) std. Saved layout: K = 1 is one model directory (`models/iter_k/rm/`);
-K > 1 keeps each member in `models/iter_k/rm/member_<i>/`, with the stats beside them.
+K > 1 keeps each member in `models/iter_k/rm/member_<i>/`, with the stats beside them. A
+fine-tuned backbone is saved whole (save_pretrained); a frozen one (epochs 0: only the heads
+were fitted) is not copied: each member keeps its head (`head.safetensors`) and
+`alignloop_base.json` names the blocks they read (the workspace's initial policy, its weights
+md5, the depth kept), about 10 KB instead of a model's worth (`load_reward_model` rebuilds the
+same model).
 Loading, scoring and training live here, the features the head reads in
 tasks/reward/features.py, the probe head in tasks/reward/probe.py; `train_rm` is the stage edge.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import posixpath
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from tasks.core import layout, progress
 from tasks.data.records import PreferencePair, Prompt
 from tasks.functional.losses import bradley_terry_margin_loss
 from tasks.models import lm
+from tasks.models.lm import ModelError
 from tasks.reward.features import EncodedPair, FrozenFeatures, features, truncate
 from tasks.runtime.device import Device, device_of
 from tasks.runtime.distributed import SINGLE, Group, record_losses
 from tasks.schemas.train_rm import TrainRMParams
 
 STATS_FILE = layout.RM_STATS
+HEAD_FILE = "head.safetensors"      # a frozen backbone's reward model: a member's score layer
+BACKBONE_FILE = lm.ADAPTER_BASE     # ... and the base its members read (`BackboneRef`), named
+#                                    as a LoRA adapter names its base (tasks/models/adapters.py)
+# MLflow loads a head-only reward model as a python_function model through this module's
+# `_load_pyfunc`: a table of prompt (a user message) and response texts in, their rewards out
+SCORER_MODULE = "tasks.judging.judge_rm"
+SCORER_SIGNATURE = {
+    "inputs": json.dumps([{"type": "string", "name": "prompt", "required": True},
+                          {"type": "string", "name": "response", "required": True}]),
+    "outputs": json.dumps([{"type": "double", "required": True}]), "params": None}
 
 
 def init_reward_model(backbone_dir: Path, rng: torch.Generator | None = None,
@@ -74,30 +94,122 @@ class RewardEnsemble(torch.nn.Module):
 RewardModel = transformers.PreTrainedModel | RewardEnsemble
 
 
+@dataclass(frozen=True)
+class BackboneRef:
+    """The frozen backbone a head-only reward model reads: the first `num_layers` blocks of the
+    model at `base_path` (relative to the workspace) whose weights have md5 `base_md5`
+    (`lm.weights_md5`); stored as alignloop_base.json with these three keys."""
+    base_path: str
+    base_md5: str
+    num_layers: int
+
+
+def _member_dir(path: Path) -> Path:
+    return path if (path / HEAD_FILE).is_file() else lm.check_model_dir(path)
+
+
 def member_dirs(path: Path) -> list[Path]:
     """The member directories of a saved reward model: itself (K = 1) or member_0..K-1."""
     path = Path(path)
     members = sorted(path.glob(f"{layout.RM_MEMBER_PREFIX}*"),
                      key=lambda d: int(d.name.removeprefix(layout.RM_MEMBER_PREFIX)))
-    return [lm.check_model_dir(d) for d in members] if members else [lm.check_model_dir(path)]
+    return [_member_dir(d) for d in members] if members else [_member_dir(path)]
 
 
-def load_reward_model(path: Path, device: Device = "cpu") -> RewardEnsemble:
-    """Load a saved reward model, single or ensemble, on `device`, in eval mode."""
+def read_backbone(path: Path) -> BackboneRef | None:
+    """The backbone record of a head-only reward model; None for a model saved whole. A
+    malformed one is a ModelError naming the file and the field."""
+    f = Path(path) / BACKBONE_FILE
+    if not f.is_file():
+        return None
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{f}: not a JSON object ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{f}: not a JSON object")
+    for key, want in (("base_path", "a non-empty string"), ("base_md5", "a non-empty string"),
+                      ("num_layers", "a positive integer")):
+        value = data.get(key)
+        ok = (isinstance(value, int) and not isinstance(value, bool) and value > 0
+              if key == "num_layers" else isinstance(value, str) and bool(value))
+        if not ok:
+            raise ModelError(f"{f}: {key}: expected {want}, got {value!r}")
+    norm = posixpath.normpath(data["base_path"])
+    if data["base_path"].startswith(("/", "~")) or norm == ".." or norm.startswith("../"):
+        raise ModelError(f"{f}: base_path: {data['base_path']!r} is not relative to the "
+                         "workspace")
+    return BackboneRef(data["base_path"], data["base_md5"], data["num_layers"])
+
+
+def workspace_of(rm_dir: Path) -> Path:
+    """The workspace a reward model directory of ours lies in (`<root>/models/iter_k/rm`)."""
+    depth = len(Path(layout.reward_model(0)).parts)
+    parents = Path(rm_dir).absolute().parents
+    if len(parents) < depth:
+        raise ModelError(f"{rm_dir}: not inside a workspace ({layout.reward_model(0)}); "
+                         "pass its workspace root")
+    return parents[depth - 1]
+
+
+def backbone_dir(path: Path, root: Path | None = None, verify: bool = True) -> Path:
+    """Where the backbone of a head-only reward model lies, checked against its record: the
+    directory holds a model, and (`verify`: reading its weights, ~1 s for 538 MB) their md5
+    is the recorded one. `root`: the workspace (default: the one `path` lies in). A model
+    saved whole is its own backbone."""
+    ref = read_backbone(path)
+    if ref is None:
+        return Path(path)
+    where = Path(path) / BACKBONE_FILE
+    found = (workspace_of(path) if root is None else Path(root)) / ref.base_path
+    if not (found / "config.json").is_file():
+        raise ModelError(f"{where}: base_path: {found} holds no saved model")
+    if verify and (md5 := lm.weights_md5(found)) != ref.base_md5:
+        raise ModelError(f"{where}: base_md5: {ref.base_md5} recorded, but the weights in "
+                         f"{found} have md5 {md5} (the head was fitted on another backbone)")
+    return found
+
+
+def load_reward_model(path: Path, device: Device = "cpu",
+                      root: Path | None = None) -> RewardEnsemble:
+    """Load a saved reward model, single or ensemble, on `device`, in eval mode. A head-only
+    one is rebuilt on its backbone, found in the workspace `root` (default: the one `path`
+    lies in, `<root>/models/iter_k/rm`) and refused when its weights are not the recorded
+    ones."""
     stats_file = Path(path) / STATS_FILE
     stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
-    return RewardEnsemble([transformers.AutoModelForSequenceClassification.from_pretrained(
-        d, dtype=torch.float32).eval() for d in member_dirs(path)],
-        stats.get("precision", "fp32"), stats.get("pooling", "last")).to(device).eval()
+    ref = read_backbone(path)
+    if ref is None:
+        members = [transformers.AutoModelForSequenceClassification.from_pretrained(
+            d, dtype=torch.float32) for d in member_dirs(path)]
+    else:
+        dirs = member_dirs(path)
+        with torch.random.fork_rng(devices=[]):      # the head drawn here is replaced below
+            base = init_reward_model(backbone_dir(path, root), num_layers=ref.num_layers)
+        members = [copy.deepcopy(base) for _ in dirs[1:]] + [base]   # the blocks: one load
+        for m, d in zip(members, dirs):
+            m.score.load_state_dict(load_file(str(d / HEAD_FILE)))
+    return RewardEnsemble([m.eval() for m in members], stats.get("precision", "fp32"),
+                          stats.get("pooling", "last")).to(device).eval()
 
 
-def save_reward_model(members: Sequence[transformers.PreTrainedModel], path: Path) -> None:
-    """K = 1: the model in `path`; K > 1: member i in `path/member_<i>`."""
-    if len(members) == 1:
-        members[0].save_pretrained(path)
-        return
-    for i, m in enumerate(members):
-        m.save_pretrained(Path(path) / f"{layout.RM_MEMBER_PREFIX}{i}")
+def save_reward_model(members: Sequence[transformers.PreTrainedModel], path: Path,
+                      backbone: BackboneRef | None = None) -> None:
+    """K = 1: the model in `path`; K > 1: member i in `path/member_<i>`. With `backbone` (the
+    members' blocks are its first `num_layers`, unchanged) only each member's head is saved,
+    with the backbone's record beside them."""
+    dirs = [Path(path)] if len(members) == 1 else [
+        Path(path) / f"{layout.RM_MEMBER_PREFIX}{i}" for i in range(len(members))]
+    for m, d in zip(members, dirs):
+        if backbone is None:
+            m.save_pretrained(d)
+            continue
+        d.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in m.score.state_dict().items()},
+                  str(d / HEAD_FILE), metadata={"format": "pt"})
+    if backbone is not None:
+        (Path(path) / BACKBONE_FILE).write_text(json.dumps(asdict(backbone), indent=2,
+                                                           sort_keys=True) + "\n")
 
 
 def _single_rewards(model: transformers.PreTrainedModel, prompts: Sequence[Sequence[int]],

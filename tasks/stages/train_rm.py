@@ -4,7 +4,9 @@ It learns from the pair pool: the off-policy pairs plus every on-policy pair the
 labelled up to and including this iteration's rollouts, so that it is reliable where the current
 policy samples, with the person's audit verdicts (`audit/labels.jsonl`) applied first. Each
 member's backbone starts from the initial model; members differ by seed (head init, data
-order). Afterwards the pairs to audit next are exported to `audit/iter_k/queue.jsonl`.
+order). Afterwards the pairs to audit next are exported to `audit/iter_k/queue.jsonl`. With
+`epochs: 0` (only the heads fitted) the model directory keeps the heads and the backbone's
+record, not a copy of its blocks (tasks/reward/reward_model.py).
 """
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ from tasks.models import lm, mlflow_model, model_card
 from tasks.reward.features import EncodedPair, FrozenFeatures, depth
 from tasks.reward.probe import PROBE_FOLDS, choose_depth, fit_probe_head
 from tasks.reward.reward_model import (
+    BACKBONE_FILE,
+    HEAD_FILE,
+    SCORER_MODULE,
+    SCORER_SIGNATURE,
+    BackboneRef,
     RewardEnsemble,
     encode_pairs,
     ensemble_metrics,
@@ -101,6 +108,16 @@ def train_members(backbone: Path, train: Sequence[EncodedPair], p: Params, pad_i
     return members, metrics, cache
 
 
+def backbone_note(ref: BackboneRef) -> str:
+    """The model card's word on a head-only reward model."""
+    return (f"Only the head is stored here (`{HEAD_FILE}`, per member): the backbone is "
+            f"`{ref.base_path}` cut to its first {ref.num_layers} block(s) (weights md5 "
+            f"`{ref.base_md5}`, `{BACKBONE_FILE}`), frozen while the head was fitted, and "
+            "its tokenizer is that directory's. `tasks.reward.reward_model.load_reward_model` "
+            "rebuilds the model (and refuses a backbone with other weights); MLflow loads it as "
+            "a python_function model scoring prompt and response texts.")
+
+
 def window(pairs: list[PreferencePair], labels: dict[str, audit.AuditLabel],
            n: int) -> tuple[list[PreferencePair], dict[str, float]]:
     """The pairs the RM trains on: every off-policy and audited pair, and the on-policy pairs of
@@ -164,18 +181,26 @@ def main(argv: list[str] | None = None) -> None:
                               p.train_rm.audit_top_n, p.train_rm.audit_random_n,
                               stage.generator(p.seed, 6, it))
     metrics["rm/audit_queue_n"] = float(len(queue))
+    frozen = (BackboneRef(layout.policy(0), lm.weights_md5(backbone), depth(members[0]))
+              if p.train_rm.epochs == 0 else None)  # only the heads were fitted: keep them
     with atomic.directory(root / layout.reward_model(it)) as tmp:
-        save_reward_model(members, tmp)
-        tok.save_pretrained(tmp)
+        save_reward_model(members, tmp, frozen)
+        if frozen is None:                  # else the backbone's tokenizer serves (3.5 MB)
+            tok.save_pretrained(tmp)
         save_stats(tmp, {**stats, "pooling": p.train_rm.pooling,
                          "precision": lm.effective_precision(p.train_rm.precision, args.device)})
         atomic.write_json(tmp / layout.MODEL_META, {"iteration": it, "role": "reward_model",
                                                     "pairs": len(pairs), "ensemble": len(members)})
         if curve:                               # the fine-tuning steps (the probe has none)
             atomic.write_json(tmp / layout.TRAINING_CURVE, curve)
-        mlflow_model.write_mlflow_model(tmp, "text-classification",
-                                        {"model_path": layout.reward_model(it)})
-        model_card.write_model_card(tmp, root, "train_rm", it, p, metrics)
+        info = {"model_path": layout.reward_model(it)}
+        if frozen is None:
+            mlflow_model.write_mlflow_model(tmp, "text-classification", info)
+        else:                                   # no weights here for the transformers flavor
+            mlflow_model.write_pyfunc_model(tmp, SCORER_MODULE, SCORER_SIGNATURE,
+                                            {**info, "base_path": frozen.base_path})
+        model_card.write_model_card(tmp, root, "train_rm", it, p, metrics,
+                                    [] if frozen is None else [backbone_note(frozen)])
     jsonl.write(root / layout.audit_queue(it), queue)
     stage.write_metrics(root, layout.metrics(it, "train_rm"), metrics)
     stage.say(f"train_rm@{it}: {len(members)} member(s), {len(train)} train / {len(held)} "
