@@ -7,6 +7,9 @@ from whatever the workspace has checked out. What is written:
 - a full model: its weights, config, generation config and tokenizer files, without the
   workspace's bookkeeping (MLflow's `MLmodel`, environment files and `components/`, the model
   card that names the workspace, `training_curve.json`, `alignloop_*.json`);
+- a reward model stored as its heads alone (a frozen backbone's, `train_rm.epochs: 0`): rebuilt
+  on its backbone and saved whole (`save_pretrained`; an ensemble's members in `member_<i>/`),
+  with the backbone's tokenizer;
 - a LoRA adapter with `--merge`: base + adapter merged into plain weights
   (`save_pretrained`), with the adapter's tokenizer;
 - a LoRA adapter without `--merge`: the adapter (PEFT's two files and the tokenizer) at DIR's
@@ -35,6 +38,7 @@ BOOKKEEPING = {"MLmodel", "conda.yaml", "python_env.yaml", "requirements.txt", "
                "training_curve.json", "components"}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 BASE_DIR = "base"                     # where an unmerged adapter's base goes, inside DIR
+BASE_FILE = "alignloop_base.json"     # the base an adapter or a head-only reward model names
 
 
 def _portable(name: str) -> bool:
@@ -92,6 +96,20 @@ def write_adapter(root: Path, src: Path, out: Path, final: Path, merge: bool) ->
             f"{BASE_DIR}/")
 
 
+def write_heads_only_rm(root: Path, src: Path, out: Path) -> str:
+    """A head-only reward model `src` rebuilt on its backbone and saved whole into `out`."""
+    from tasks.reward import reward_model
+    backbone = reward_model.backbone_dir(src, root)              # checked against its md5
+    ensemble = reward_model.load_reward_model(src, root=root)
+    reward_model.save_reward_model(list(ensemble.members), out)
+    for name in os.listdir(backbone):                             # its tokenizer
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "added_tokens",
+                            "chat_template")):
+            shutil.copyfile(backbone / name, out / name)
+    return (f"reward model: its heads on the first blocks of "
+            f"{backbone.relative_to(root).as_posix()}, saved whole")
+
+
 def export_dir(root: Path, src: Path, dest: Path, merge: bool, label: str = "") -> str:
     """Write the model directory `src` (a version's bytes) as the standalone `dest`; returns
     what was written, in words."""
@@ -106,6 +124,8 @@ def export_dir(root: Path, src: Path, dest: Path, merge: bool, label: str = "") 
     try:
         if adapter:
             what = write_adapter(root, src, tmp, dest.resolve(), merge)
+        elif (src / BASE_FILE).is_file():                   # a head-only reward model
+            what = write_heads_only_rm(root, src, tmp)
         else:
             copy_model_files(src, tmp)
             what = "full model"

@@ -214,3 +214,21 @@ def test_mlflow_loads_it_as_a_python_function_scoring_texts(single: Path) -> Non
     judge = RewardModelJudge(rm, 0.0, 0, 512)
     want = judge.score([(Message("user", x),) for x in prompts], responses)
     assert list(got) == want
+
+
+def test_export_rebuilds_a_head_only_model_whole(single: Path, tmp_path: Path) -> None:
+    """`alignloop export` of a head-only reward model writes it whole: a standalone
+    sequence-classification model with the backbone's tokenizer, scoring as the loop did."""
+    import transformers
+
+    from flows.export import export_dir
+    src = single / layout.reward_model(1)
+    what = export_dir(single, src, tmp_path / "rm", merge=False)
+    assert what.startswith("reward model: its heads on the first blocks of models/iter_0/policy")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
+    transformers.AutoTokenizer.from_pretrained(tmp_path / "rm")
+    want = load_reward_model(src).members[0]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(20, 900, (1, 7), generator=g)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, want(input_ids=ids).logits)
