@@ -113,3 +113,20 @@ def test_lineage_names_the_base_once_per_stage(lora_run: dict[str, object]) -> N
         assert paths.count(layout.policy(0)) == 2, stage
         inputs = [i["path"] for i in stage_tree(ws, lock, stage, set())["inputs"]]
         assert inputs.count(layout.policy(0)) == 1 and len(inputs) == len(set(inputs)), stage
+
+
+@pytest.mark.slow                  # a whole extra loop through the CLI
+def test_ppo_with_an_adapter_and_the_previous_policy_as_reference(
+        tiny_run: dict[str, object], tmp_path: Path) -> None:
+    """PPO trains the adapter (its value head beside it), against k-1's adapter loaded as the
+    reference beside the trained one: both iterations run and each policy is an adapter."""
+    ws = copy_workspace(Path(str(tiny_run["ws"])), tmp_path / "ws")
+    params = tmp_path / "ppo-lora.yaml"
+    params.write_text(f"base: {LORA}\nupdate:\n  algo: ppo\n  reference: previous\n")
+    out = run_cli("run", "--params", str(params), "--workspace", str(ws))
+    assert "update@2: ppo" in out.stdout
+    for it in (1, 2):
+        d = ws / layout.policy(it)
+        assert adapters.is_adapter_dir(d) and (d / layout.VALUE_HEAD).is_file()
+    meta = json.loads((ws / layout.policy(2) / layout.MODEL_META).read_text())
+    assert meta["reference"] == layout.policy(1)
