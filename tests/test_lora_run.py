@@ -104,13 +104,13 @@ def test_alignloop_serve_chats_with_the_lora_champion(lora_run: dict[str, object
 
 def test_lineage_names_the_base_once_per_stage(lora_run: dict[str, object]) -> None:
     """rollout@1 and update@1 read iteration 0's model as `prev` and as the adapter's base:
-    dvc.yaml names it twice, lineage lists it once."""
+    dvc.yaml names it twice (dvc.lock may record it once or twice), lineage lists it once."""
     from flows.lineage import stage_tree
     ws = Path(str(lora_run["ws"]))
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
     for stage in ("rollout@1", "update@1"):
         paths = [d["path"] for d in lock[stage]["deps"] if not d["path"].startswith("tasks/")]
-        assert paths.count(layout.policy(0)) == 2, stage
+        assert layout.policy(0) in paths, stage
         inputs = [i["path"] for i in stage_tree(ws, lock, stage, set())["inputs"]]
         assert inputs.count(layout.policy(0)) == 1 and len(inputs) == len(set(inputs)), stage
 
