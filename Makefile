@@ -42,7 +42,7 @@ test: lint
 	$(BIN)/python -m pytest -m "not slow" -q
 
 # The `slow` tests, minutes each: the real default model (SmolLM2-135M-Instruct), and whole
-# extra loops through the CLI (kill -9 at every record-step write, served schedule fires,
+# extra loops through the CLI (a LoRA loop, kill -9 at every record-step write, served schedule fires,
 # imports, a user's own model, two concurrent runs, a work-pool worker, tiny-distributed on Ray and
 # torchrun, a reward-model judge, an RM param edit that reruns most of the loop). CI runs both
 # targets.

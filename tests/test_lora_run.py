@@ -20,6 +20,8 @@ from tasks.core import layout
 from tasks.models import adapters, lm
 
 LORA = ROOT / "params" / "tiny-lora.yaml"
+pytestmark = pytest.mark.slow      # a whole extra loop through the CLI (make test-slow, CI);
+#                                    tests/test_adapters.py covers the adapters in make test
 
 
 @pytest.fixture(scope="module")
