@@ -167,7 +167,13 @@ def write_mlflow_model(model_dir: Path, task: str, info: Mapping[str, object],
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, tok_dir / name)
     _dump(model_dir / MLMODEL, mlmodel(model_dir, task, info, base))
-    requirements = _pinned("mlflow", "transformers", "torch", *(("peft",) if base else ()))
+    write_environment(model_dir, _pinned("mlflow", "transformers", "torch",
+                                         *(("peft",) if base else ())))
+
+
+def write_environment(model_dir: Path, requirements: list[str]) -> None:
+    """MLflow's environment files beside MLmodel: requirements.txt, conda.yaml,
+    python_env.yaml, as its save_model writes them."""
     (model_dir / "requirements.txt").write_text("\n".join(requirements) + "\n")
     python = platform.python_version()
     _dump(model_dir / "conda.yaml", {
@@ -193,11 +199,4 @@ def write_pyfunc_model(model_dir: Path, loader_module: str, model_signature: Map
             "loader_module": loader_module, "python_version": python}},
         "metadata": {"alignloop": dict(info)}, "mlflow_version": _version("mlflow"),
         "signature": dict(model_signature)})
-    requirements = _pinned("mlflow", "transformers", "torch")
-    (model_dir / "requirements.txt").write_text("\n".join(requirements) + "\n")
-    _dump(model_dir / "conda.yaml", {
-        "channels": ["conda-forge"], "name": "mlflow-env",
-        "dependencies": [f"python={python}", "pip", {"pip": requirements}]})
-    _dump(model_dir / "python_env.yaml", {
-        "python": python, "build_dependencies": _pinned("pip", "setuptools") + ["wheel"],
-        "dependencies": ["-r requirements.txt"]})
+    write_environment(model_dir, _pinned("mlflow", "transformers", "torch"))
