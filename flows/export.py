@@ -31,6 +31,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from tasks.core import layout
 from tasks.core.errors import InputError
 
 BOOKKEEPING = {"MLmodel", "conda.yaml", "python_env.yaml", "requirements.txt", "README.md",
@@ -38,7 +39,6 @@ BOOKKEEPING = {"MLmodel", "conda.yaml", "python_env.yaml", "requirements.txt", "
                "training_curve.json", "components"}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 BASE_DIR = "base"                     # where an unmerged adapter's base goes, inside DIR
-BASE_FILE = "alignloop_base.json"     # the base an adapter or a head-only reward model names
 
 
 def _portable(name: str) -> bool:
@@ -124,7 +124,7 @@ def export_dir(root: Path, src: Path, dest: Path, merge: bool, label: str = "") 
     try:
         if adapter:
             what = write_adapter(root, src, tmp, dest.resolve(), merge)
-        elif (src / BASE_FILE).is_file():                   # a head-only reward model
+        elif (src / layout.ADAPTER_BASE).is_file():                   # a head-only reward model
             what = write_heads_only_rm(root, src, tmp)
         else:
             copy_model_files(src, tmp)
