@@ -101,6 +101,21 @@ def quiet_dvc() -> Iterator[None]:
             lg.setLevel(level)
 
 
+def clear_killed_outputs(root: Path) -> list[str]:
+    """What a run killed with -9 left of its stages' outputs: an output no dvc.lock entry
+    vouches for (a stage that finished its write in the instant between the CLI's death and its
+    own), which no .gitignore names yet, so the next record step's `git add -A` would stage it
+    into git and DVC would then refuse the stage ("already tracked by SCM"). Such an output is
+    an untracked, unignored file under data/, models/ or metrics/; only when one exists are the
+    outputs put back as dvc.lock vouches for them (`restore_outputs`, which opens DVC, ~1 s).
+    Files that are no stage's output (a person's own, under data/) are left alone."""
+    out = git(root, "ls-files", "-z", "--others", "--exclude-standard", "--",
+              "data", "models", "metrics", check=False)
+    if not any(out.split("\0")):
+        return []
+    return restore_outputs(root)
+
+
 def restore_outputs(root: Path) -> list[str]:
     """Every stage's outputs as dvc.lock records them; outputs no lock entry vouches for and
     directories of iterations that are not declared removed."""

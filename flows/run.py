@@ -49,6 +49,10 @@ def run_loop(root: Path, params_file: Path | None,
         checkpoint = recovery.take(root)
         recovery.sweep(root)                  # debris of a run killed before this one
         try:
+            if checkpoint.head is not None and not shipped.is_source_tree(root):
+                cleared = recovery.clear_killed_outputs(root)   # of a run killed with -9
+                if cleared:
+                    _log(logs["log"], ["outputs of a killed run, cleared:", *cleared])
             ws, changed = wsmod.prepare(root, params_file)
             print(f"workspace {ws.root}" + (f" (synced {len(changed)} files)" if changed else ""))
             summaries = _flow(ws, force, server, logs)

@@ -138,6 +138,28 @@ def test_kill_minus_9_at_every_phase_then_resume_converges_on_one_ledger(ws):
     assert _wait_gone(ws) == []
 
 
+def test_an_output_a_killed_stage_finished_is_cleared_before_the_next_run_stages_anything(ws):
+    """A stage may finish its write in the half second between the CLI's kill -9 and its own
+    exit: its output is on disk, no dvc.lock entry vouches for it and no .gitignore names it.
+    The next run clears it before its record step's `git add -A` could stage it into git (DVC
+    then refuses the stage: "already tracked by SCM")."""
+    from flows import workspace as wsmod
+    params = ws / "params.yaml"
+    params.write_text(append_iteration(params.read_text())[0])      # iteration 3 declared
+    wsmod.prepare(ws, None)                                          # as the killed run synced it
+    (ws / "data" / "iter_3").mkdir(parents=True)
+    (ws / "data" / "iter_3" / "rollouts.jsonl").write_text('{"prompt": "x"}\n')
+    (ws / "data" / "notes.txt").write_text("a person's own file, no stage's output\n")
+    crashed = _start(ws, **{ENV: "git_commit@0"})       # killed right after the first `git add`
+    out = crashed.communicate(timeout=300)[0]
+    assert crashed.returncode == -signal.SIGKILL, out[-3000:]
+    staged = _git(ws, "diff", "--cached", "--name-only").splitlines()
+    assert "data/iter_3/rollouts.jsonl" not in staged, staged
+    assert not (ws / "data" / "iter_3" / "rollouts.jsonl").exists()
+    assert (ws / "data" / "notes.txt").read_text().startswith("a person's own file")
+    assert _wait_gone(ws) == []
+
+
 @pytest.mark.slow      # a whole extra loop through the CLI: minutes
 def test_second_run_changes_nothing_until_it_holds_the_lock(ws, tmp_path):
     profiles = []
