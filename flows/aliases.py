@@ -1,8 +1,9 @@
-"""Model aliases: `champion` (set by the promotion gate) and `production` (deploy / rollback).
+"""Model aliases: `champion` (set by the promotion gate), `production` (deploy, promote,
+rollback) and `canary` (deploy --canary; flows/release.py).
 
 Every move is appended to the workspace's ledger `registry/aliases.jsonl` (who, when, why,
-from, to), committed to git, and stamped on the model version as tags, so it is visible in
-lineage and in the MLflow UI.
+from, to, and for release moves the evidence they rested on), committed to git, and stamped
+on the model version as tags, so it is visible in lineage and in the MLflow UI.
 """
 from __future__ import annotations
 
@@ -43,8 +44,10 @@ def read_ledger(root: Path) -> list[dict[str, Any]]:
 
 
 def move(root: Path, alias: str, version: str, why: str, action: str,
-         model: str = POLICY_MODEL, commit: bool = True, iteration: int = 0) -> dict[str, Any]:
-    """Point `alias` at `version`, record the move, and commit the ledger.
+         model: str = POLICY_MODEL, commit: bool = True, iteration: int = 0,
+         evidence: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Point `alias` at `version`, record the move (with the `evidence` it rests on, when
+    given), and commit the ledger.
 
     The ledger entry is written first, then the alias moves, then the ledger is committed: a
     move killed half-way is finished by `ensure`, never recorded twice."""
@@ -53,6 +56,8 @@ def move(root: Path, alias: str, version: str, why: str, action: str,
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "who": who(root),
              "model": model, "alias": alias, "from": current(client, alias, model),
              "to": str(version), "action": action, "why": why}
+    if evidence is not None:
+        entry["evidence"] = evidence
     lines = read_ledger(root)
     last = _last_move(lines, alias, model)
     if last is None or (last["to"], last["from"]) != (entry["to"], entry["from"]):
@@ -110,7 +115,8 @@ def who(root: Path) -> str:
 
 
 def production_stack(root: Path) -> list[str]:
-    """Versions production has stood on, replaying deploys (push) and rollbacks (pop)."""
+    """Versions production has stood on, replaying deploys and promotions (push) and
+    rollbacks (pop)."""
     stack: list[str] = []
     for e in read_ledger(root):
         if e["alias"] != "production":

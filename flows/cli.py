@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flows import cli_models, cli_workspace, import_pairs, shipped, signals, targets
+from flows import cli_models, cli_release, cli_workspace, import_pairs, shipped, signals, targets
 from flows import workspace as wsmod
 from flows.cli_views import cmd_dag, cmd_lineage, cmd_params, cmd_report, cmd_status, print_report
 from flows.run import RunFailed, quiet_prefect
@@ -197,22 +197,6 @@ def cmd_tick(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_deploy(args: argparse.Namespace) -> int:
-    from flows import aliases
-    root = wsmod.existing_workspace(args.workspace).root
-    e = aliases.deploy(root, args.version, args.reason)
-    print(f"production: v{e['from']} -> v{e['to']} ({e['who']}, {e['time']}: {e['why']})")
-    return 0
-
-
-def cmd_rollback(args: argparse.Namespace) -> int:
-    from flows import aliases
-    root = wsmod.existing_workspace(args.workspace).root
-    e = aliases.rollback(root, args.reason)
-    print(f"production rolled back: v{e['from']} -> v{e['to']} ({e['who']}, {e['time']})")
-    return 0
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     """`mlflow models serve` of a registered version's exact bytes (found by its `model_md5` in
     the DVC cache or a local remote, flows/restore.py), with this interpreter's environment
@@ -252,6 +236,7 @@ EXAMPLES = """examples:
   alignloop judge-server start --model DIR     # an OpenAI-compatible judge on loopback
   alignloop gc --keep-last 2 --dry-run         # what archiving old weights would free
   alignloop export models:/alignloop-policy@production out/   # a standalone HF directory
+  alignloop deploy --canary && alignloop promote --feedback traffic.jsonl   # a release
 """
 
 
@@ -313,15 +298,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv_m.add_argument("--host", default="127.0.0.1")
     srv_m.add_argument("--workspace", default=DEFAULT_WORKSPACE)
     srv_m.set_defaults(func=cmd_serve)
-    dep = sub.add_parser("deploy", help="move the `production` alias (default: the champion)")
-    dep.add_argument("version", nargs="?")
-    dep.add_argument("--reason", default="deploy", help="why (recorded with the move)")
-    dep.add_argument("--workspace", default=DEFAULT_WORKSPACE)
-    dep.set_defaults(func=cmd_deploy)
-    rb = sub.add_parser("rollback", help="move `production` back to its previous version")
-    rb.add_argument("--reason", default="rollback", help="why (recorded with the move)")
-    rb.add_argument("--workspace", default=DEFAULT_WORKSPACE)
-    rb.set_defaults(func=cmd_rollback)
     srv = sub.add_parser("server", help="this workspace's standalone Prefect server (loopback)")
     srv.add_argument("action", choices=["start", "stop", "status"])
     srv.add_argument("--port", type=int, default=4200)
@@ -357,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     import_pairs.add_parser(sub, DEFAULT_WORKSPACE)
     cli_workspace.add_parsers(sub, DEFAULT_WORKSPACE)
     cli_models.add_parsers(sub, DEFAULT_WORKSPACE)
+    cli_release.add_parsers(sub, DEFAULT_WORKSPACE)
     return ap
 
 
