@@ -158,7 +158,7 @@ def _deploy_to_pool(ws: wsmod.Workspace, args: argparse.Namespace, when: str) ->
     from flows.schedule import deploy_to_pool, deployment_name
     try:
         kind = deploy_to_pool(ws, args.work_pool, args.cron, args.overlap,
-                              interval=args.interval)
+                              interval=args.interval, max_runs_per_day=args.max_runs_per_day)
     except (PrefectException, httpx.HTTPError, ValueError) as e:
         raise InputError(f"deploying to work pool {args.work_pool} failed: "
                          f"{str(e).strip().splitlines()[0]}") from None
@@ -169,8 +169,14 @@ def _deploy_to_pool(ws: wsmod.Workspace, args: argparse.Namespace, when: str) ->
     return 0
 
 
+def _budget(max_runs: int) -> None:
+    if max_runs < 0:
+        raise InputError(f"--max-runs-per-day: expected 0 (no limit) or more, got {max_runs}")
+
+
 def cmd_schedule(args: argparse.Namespace) -> int:
     ws = wsmod.existing_workspace(args.workspace)
+    _budget(args.max_runs_per_day)
     when = f"cron '{args.cron}'" if args.cron else f"every {args.interval:g} s"
     if args.work_pool:
         return _deploy_to_pool(ws, args, when)
@@ -179,19 +185,30 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from flows.schedule import serve
     print(f"serving alignloop-{ws.root.name} on {when} against {url} "
           f"(overlapping ticks: {args.overlap}); Ctrl-C stops serving")
-    serve(ws, args.cron, args.overlap, interval=args.interval)
+    serve(ws, args.cron, args.overlap, interval=args.interval,
+          max_runs_per_day=args.max_runs_per_day)
     return 0
 
 
 def cmd_tick(args: argparse.Namespace) -> int:
     ws = wsmod.existing_workspace(args.workspace)
+    _budget(args.max_runs_per_day)
     if args.server:
         _api_url(ws)
     quiet_prefect()
-    from flows.schedule import skip_if_busy, tick
-    if skip_if_busy(ws, args.overlap):       # in a second, before a flow run starts
+    from flows.schedule import refuse_if_over_budget, skip_if_busy, tick
+    if skip_if_busy(ws, args.overlap) or \
+            refuse_if_over_budget(ws, args.max_runs_per_day):   # before a flow run starts
         return 0
-    result = tick(str(ws.root), overlap=args.overlap)
+    from flows import pipeline  # noqa: F401 (DVC's and MLflow's loggers exist once imported)
+    from flows.run import failure, run_logs
+    logs = run_logs(ws)                       # Prefect's, DVC's output and a stage's error
+    quiet_prefect(logs["log"])                # line go to the log: the terminal gets one
+    try:
+        result = tick(str(ws.root), overlap=args.overlap,
+                      max_runs_per_day=args.max_runs_per_day)
+    except BaseException as e:                # the tick restored the workspace: one line
+        raise failure(e, logs, restored=True) from e
     print(f"tick: {result['outcome']}" + (f" iteration {result['iteration']}"
                                           if "iteration" in result else ""))
     return 0
@@ -319,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     when.add_argument("--interval", type=float, metavar="SECONDS", help="every N seconds")
     sch.add_argument("--overlap", choices=["wait", "skip"], default="skip",
                      help="an overlapping tick waits for the running one, or is skipped")
+    sch.add_argument("--max-runs-per-day", type=int, default=0, metavar="N",
+                     help="refuse a fire when N ticks ran an iteration in the last 24 h "
+                          "(state Refused, logged in .alignloop/ticks.jsonl; 0 = no limit)")
     sch.add_argument("--work-pool", metavar="NAME",
                      help="deploy to this Prefect work pool (created as type process if "
                           "missing) for a worker to run, instead of serving here")
@@ -326,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     sch.set_defaults(func=cmd_schedule)
     tk = sub.add_parser("tick", help="run the next iteration now, as a scheduled tick would")
     tk.add_argument("--overlap", choices=["wait", "skip"], default="wait")
+    tk.add_argument("--max-runs-per-day", type=int, default=0, metavar="N",
+                    help="refused (exit 0) when N ticks ran an iteration in the last 24 h")
     tk.add_argument("--server", action="store_true",
                     help="against the standalone server (started if needed)")
     tk.add_argument("--workspace", default=DEFAULT_WORKSPACE)

@@ -20,6 +20,7 @@ import yaml
 from dvc.exceptions import ReproductionError
 from dvc.repo import Repo
 
+from flows.dvc_quiet import quiet_dvc
 from tasks.config.params import SAFE_LOADER
 from tasks.core import heap, layout
 
@@ -360,7 +361,7 @@ def reproduce(root: Path, name: str, force: bool = False,
                     repo.reproduce(targets=[name], single_item=True, force=force)
         except ReproductionError as e:
             # DVC removed the outputs before running; put the last good (locked) ones back
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), quiet_dvc():
                 repo.checkout(targets=[name], force=True)
             remove_unlocked_outputs(root, name, [str(o.def_path) for o in stage.outs])
             raise StageFailed(name, _cause(e)) from None

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import re
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from flows.dvc_quiet import quiet_dvc
 from flows.workspace import STATE_DIR, git
 
 ARTIFACT_ROOTS = ("data", "models", "metrics", "audit", "registry")
@@ -83,22 +82,6 @@ def restore(root: Path, cp: Checkpoint) -> list[str]:
     fixed += restore_outputs(root)
     fixed += sweep(root)
     return fixed
-
-
-@contextlib.contextmanager
-def quiet_dvc() -> Iterator[None]:
-    """DVC's warnings off (a checkout of outputs the lock does not vouch for yet warns once per
-    output, "No file hash info found ... It won't be created"): a restore says what it did in
-    its own words, in one line."""
-    loggers = [logging.getLogger(name) for name in ("dvc", "dvc_data")]   # dvc_data warns
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
 
 
 def clear_killed_outputs(root: Path) -> list[str]:

@@ -43,7 +43,7 @@ def run_loop(root: Path, params_file: Path | None,
     root.mkdir(parents=True, exist_ok=True)
     wsmod.apply_environment(ws)               # creates .alignloop/ (0700) for the lock
     t0 = time.perf_counter()
-    logs = _run_logs(ws)
+    logs = run_logs(ws)
     server = _prefect_api(ws, logs["server"])  # starts while this run may wait for the lock
     with wsmod.workspace_lock(ws, "wait"):    # never interleaved with another run or a tick
         checkpoint = recovery.take(root)
@@ -64,13 +64,13 @@ def run_loop(root: Path, params_file: Path | None,
             if restorable:
                 fixed = recovery.restore(root, checkpoint)
                 _log(logs["log"], ["restored after the failure:", *fixed])
-            raise _failure(e, logs, restored=restorable) from e
+            raise failure(e, logs, restored=restorable) from e
         finally:
             wsmod.secure_state(ws)            # the MLflow store this run may have created
     return summaries, time.perf_counter() - t0
 
 
-def _run_logs(ws: wsmod.Workspace) -> dict[str, Path]:
+def run_logs(ws: wsmod.Workspace) -> dict[str, Path]:
     """This run's log files under .alignloop/logs/ (Prefect's log and tracebacks, the stages'
     one-line errors, the temporary Prefect server's output)."""
     logs = ws.state / "logs"
@@ -121,7 +121,7 @@ def _flow(ws: wsmod.Workspace, force: list[str], server: object | None,
     return alignloop(str(ws.root), force=force)
 
 
-def _failure(e: BaseException, logs: dict[str, Path], restored: bool) -> RunFailed:
+def failure(e: BaseException, logs: dict[str, Path], restored: bool) -> RunFailed:
     """The one line a failed run ends with, and its exit code: 2 for bad input (a stage that
     exited 2 read bad input), 128 + N for signal N, else 1. The stage's own message, when it
     wrote one, replaces DVC's account of the failure; tracebacks go to the log file only."""

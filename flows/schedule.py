@@ -7,7 +7,12 @@ process starts (`overlap="skip"`) or queued until the running tick ends (`"wait"
 flow run's state says so. Inside, a tick holds an exclusive lock on the workspace for its whole
 run (manual `run`, `rerun` and `tick` take it too); when it is held the tick waits or is
 skipped, before the pipeline (MLflow, DVC) is even imported. Every tick that starts is logged
-to `.alignloop/ticks.jsonl`. A failed tick puts the workspace back as it was before it.
+to `.alignloop/ticks.jsonl`, with why when it was skipped, refused or failed. A failed tick puts
+the workspace back as it was before it.
+
+A budget of runs: with `max_runs_per_day` N > 0 a tick is refused (state Refused, type
+COMPLETED; the CLI exits 0) when N ticks started an iteration (ran or failed) in the 24 hours
+before it.
 
 The tick is served from this process (`serve`) or deployed to a Prefect work pool
 (`deploy_to_pool`) for a worker to run, maybe on another machine: the deployment points at this
@@ -22,7 +27,7 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
@@ -36,6 +41,8 @@ from tasks.core import layout
 Overlap = Literal["wait", "skip"]
 ENTRYPOINT = "flows/schedule.py:tick"   # relative to shipped.code_root(), where a worker loads it
 TICKS = "ticks.jsonl"          # in .alignloop/: when each tick started and ended, and why
+DAY_S = 24 * 3600.0
+STARTED = ("ran", "failed")    # the outcomes of ticks that ran an iteration: they count
 # what Prefect does with a fire while the deployment's one slot is taken
 COLLISION = {"skip": ConcurrencyLimitStrategy.CANCEL_NEW, "wait": ConcurrencyLimitStrategy.ENQUEUE}
 
@@ -83,6 +90,50 @@ def _log_tick(ws: Workspace, record: dict[str, object]) -> None:
         f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
+def read_ticks(ws: Workspace) -> list[dict[str, Any]]:
+    """The tick log; a line a killed tick left half-written is skipped."""
+    path = ws.state / TICKS
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return [r for r in out if isinstance(r, dict)]
+
+
+def over_daily_budget(ws: Workspace, max_runs: int, now: float) -> str | None:
+    """Why a tick at `now` is refused by `max_runs` a day (0 = no limit), or None."""
+    if max_runs <= 0:
+        return None
+    since = now - DAY_S
+    starts = sorted(t["start"] for t in read_ticks(ws) if t.get("outcome") in STARTED
+                    and isinstance(t.get("start"), (int, float)) and t["start"] > since)
+    if len(starts) < max_runs:
+        return None
+    free = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(starts[-max_runs] + DAY_S))
+    return (f"{len(starts)} runs in the last 24 h, --max-runs-per-day {max_runs}; the next "
+            f"may run from {free}")
+
+
+def _refused(ws: Workspace, t0: float, why: str) -> str:
+    """Log a tick refused by its budget, as `_skipped` does; returns the line."""
+    _log_tick(ws, {"start": t0, "end": time.time(), "outcome": "refused", "why": why})
+    line = f"tick: refused ({why})"
+    print(line, flush=True)
+    with contextlib.suppress(Exception):      # outside a flow run (the CLI's pre-check)
+        get_run_logger().warning(line)
+    return line
+
+
+def refuse_if_over_budget(ws: Workspace, max_runs: int) -> bool:
+    """True (and the refusal logged) when the daily budget is spent: checked before a flow
+    run starts, as `skip_if_busy`; the tick checks again under the workspace lock."""
+    why = over_daily_budget(ws, max_runs, time.time())
+    if why is None:
+        return False
+    _refused(ws, time.time(), why)
+    return True
+
+
 def _restore(ws: Workspace, head: str, iteration: int) -> None:
     """Back to the commit before the tick: tracked files, the new iteration's artifacts
     removed, every other DVC output checked out as dvc.lock records it."""
@@ -92,7 +143,7 @@ def _restore(ws: Workspace, head: str, iteration: int) -> None:
     git(ws.root, "reset", "-q", "--hard", head)
     for rel in layout.iteration_dirs(iteration):
         shutil.rmtree(ws.root / rel, ignore_errors=True)
-    from flows.recovery import quiet_dvc
+    from flows.dvc_quiet import quiet_dvc
     with contextlib.chdir(ws.root), Repo(str(ws.root)) as repo, quiet_dvc():
         repo.checkout(force=True)
 
@@ -100,7 +151,7 @@ def _restore(ws: Workspace, head: str, iteration: int) -> None:
 def _skipped(ws: Workspace, t0: float, why: str) -> str:
     """Log a skipped tick (ticks.jsonl, terminal, Prefect log at WARNING so the UI shows it
     at the CLI's quiet level); returns the line."""
-    _log_tick(ws, {"start": t0, "end": time.time(), "outcome": "skipped"})
+    _log_tick(ws, {"start": t0, "end": time.time(), "outcome": "skipped", "why": why})
     line = f"tick: skipped ({why})"
     print(line, flush=True)
     with contextlib.suppress(Exception):      # outside a flow run (the CLI's pre-check)
@@ -123,20 +174,27 @@ def skip_if_busy(ws: Workspace, overlap: Overlap) -> bool:
 
 def _next_iteration(ws: Workspace, waited_s: float) -> dict[str, object]:
     """Append the next iteration to params.yaml and run the DAG; called under the lock."""
+    import os
+
     from flows import pipeline  # MLflow, DVC: only for a tick that runs
     from flows.messages import say
+    from tasks.runtime.stage import ERROR_FILE_ENV
     started = time.time()
     head = git(ws.root, "rev-parse", "HEAD")
     path = ws.root / layout.PARAMS_FILE
     new, k = append_iteration(path.read_text(), champion_iteration(ws.root))
     path.write_text(new)
+    (ws.state / "logs").mkdir(parents=True, exist_ok=True)   # a stage's one-line error:
+    errors = Path(os.environ.setdefault(           # the CLI's file, or the tick's own
+        ERROR_FILE_ENV, str(ws.state / "logs" / f"tick-{k}-{int(started)}.errors")))
     try:
         records = pipeline.alignloop(str(ws.root))
-    except BaseException:
+    except BaseException as e:
         _restore(ws, head, k)
+        why = failure_line(e, errors)
         _log_tick(ws, {"iteration": k, "start": started, "end": time.time(),
-                       "outcome": "failed"})
-        say(f"tick: iteration {k} failed; workspace restored to {head[:10]}")
+                       "outcome": "failed", "why": why})
+        say(f"tick: iteration {k} failed ({why}); workspace restored to {head[:10]}")
         raise
     _log_tick(ws, {"iteration": k, "start": started, "end": time.time(), "outcome": "ran",
                    "waited_s": round(waited_s, 3)})
@@ -144,11 +202,20 @@ def _next_iteration(ws: Workspace, waited_s: float) -> dict[str, object]:
     return {"iteration": k, "outcome": "ran", "records": [r.as_dict() for r in records]}
 
 
+def failure_line(e: BaseException, errors: Path) -> str:
+    """Why a tick failed, in one line: the failed stage's own message when it wrote one."""
+    lines = errors.read_text(encoding="utf-8").splitlines() if errors.is_file() else []
+    if lines:
+        return lines[-1].removeprefix("error: ")
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 @flow(name="alignloop-tick", flow_run_name="tick-{workspace}")
-def tick(workspace: str, overlap: Overlap = "wait"
+def tick(workspace: str, overlap: Overlap = "wait", max_runs_per_day: int = 0
          ) -> dict[str, object] | State[dict[str, object]]:
     """One scheduled iteration: append it to params.yaml, run the DAG, record it. A tick that
-    finds the workspace busy with overlap "skip" ends in state Skipped (type COMPLETED)."""
+    finds the workspace busy with overlap "skip" ends in state Skipped, one beyond
+    `max_runs_per_day` (0 = no limit) in state Refused (both of type COMPLETED)."""
     ws = Workspace(Path(workspace))
     if not (ws.root / layout.PARAMS_FILE).is_file():
         raise FileNotFoundError(f"{ws.root}: no alignloop workspace at this path here; a "
@@ -157,6 +224,10 @@ def tick(workspace: str, overlap: Overlap = "wait"
     t0 = time.time()
     try:
         with workspace_lock(ws, overlap):
+            why = over_daily_budget(ws, max_runs_per_day, time.time())
+            if why is not None:
+                return Completed(name="Refused", message=_refused(ws, t0, why),
+                                 data={"outcome": "refused"})
             return _next_iteration(ws, time.time() - t0)
     except Busy as e:
         return Completed(name="Skipped", message=_skipped(ws, t0, str(e)),
@@ -168,7 +239,7 @@ def deployment_name(ws: Workspace) -> str:
 
 
 def serve(ws: Workspace, cron: str | None, overlap: Overlap,
-          interval: float | None = None) -> None:
+          interval: float | None = None, max_runs_per_day: int = 0) -> None:
     """Serve the tick as a Prefect deployment on `cron` or every `interval` seconds (blocks;
     Ctrl-C stops). Its concurrency limit of 1 (visible in the UI) makes Prefect cancel an
     overlapping fire ("skip", state Cancelled: "Deployment concurrency limit reached.") or
@@ -176,7 +247,8 @@ def serve(ws: Workspace, cron: str | None, overlap: Overlap,
     if (cron is None) == (interval is None):
         raise ValueError("serve: give exactly one of cron and interval")
     tick.serve(name=deployment_name(ws), cron=cron, interval=interval,
-               parameters={"workspace": str(ws.root), "overlap": overlap},
+               parameters={"workspace": str(ws.root), "overlap": overlap,
+                           "max_runs_per_day": max_runs_per_day},
                global_limit=_concurrency(overlap),
                description=f"alignloop iterations in {ws.root} (overlapping ticks: {overlap})")
 
@@ -203,7 +275,7 @@ def ensure_pool(name: str) -> str:
 
 
 def deploy_to_pool(ws: Workspace, pool: str, cron: str | None, overlap: Overlap,
-                   interval: float | None = None) -> str:
+                   interval: float | None = None, max_runs_per_day: int = 0) -> str:
     """Deploy the tick to work pool `pool` (created if missing) with serve's name, parameters,
     schedule and concurrency limit, and return the pool's type. The code is this repository's
     directory, loaded by path (no image built or pushed): a worker needs it, and the workspace,
@@ -214,7 +286,8 @@ def deploy_to_pool(ws: Workspace, pool: str, cron: str | None, overlap: Overlap,
     loaded = tick.from_source(source=str(shipped.code_root()), entrypoint=ENTRYPOINT)
     deployment = loaded.to_deployment(   # .deploy() would do the same, with a console table
         name=deployment_name(ws), work_pool_name=pool, cron=cron, interval=interval,
-        parameters={"workspace": str(ws.root), "overlap": overlap},
+        parameters={"workspace": str(ws.root), "overlap": overlap,
+                    "max_runs_per_day": max_runs_per_day},
         concurrency_limit=_concurrency(overlap), paused=False,
         description=f"alignloop iterations in {ws.root} (overlapping ticks: {overlap}; "
                     "a worker needs this path)")
