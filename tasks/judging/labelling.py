@@ -35,6 +35,7 @@ from tasks.judging.judges import (
     position_flipped,
     verdict_rates,
 )
+from tasks.judging.pairwise import PairwiseLLMJudge
 from tasks.schemas.judge import JudgeParams
 
 # (prompt, response texts, meta for its pairs[, each response's sampled tokens])
@@ -169,6 +170,13 @@ def seeded_pairs(key: str, responses: Sequence[str], n: int) -> list[tuple[int, 
     return cands[:n]
 
 
+def pairwise_plan(groups: Sequence[Group], jp: JudgeParams) -> list[tuple[Group, int, int]]:
+    """The comparisons `pairwise_groups` asks for: (group, i, j), seeded per prompt."""
+    return [(g, i, j) for n, g in enumerate(groups)
+            for i, j in seeded_pairs(str(g[2].get("prompt_id", n)), g[1],
+                                     jp.comparisons_per_prompt)]
+
+
 def pairwise_groups(judge: PairwiseJudge, groups: Sequence[Group], source: str,
                     jp: JudgeParams) -> tuple[list[PreferencePair], list[PreferencePair],
                                               dict[str, float]]:
@@ -178,9 +186,7 @@ def pairwise_groups(judge: PairwiseJudge, groups: Sequence[Group], source: str,
     `pairs_per_prompt` of them with disjoint responses, in the seeded order; the pool: those,
     or with `pool_pairs: all` every clear one. Metrics: verdict, tie, invalid and
     position-bias rates, the judge's counters, and agreement with the lexicon judge."""
-    plan = [(g, i, j) for n, g in enumerate(groups)
-            for i, j in seeded_pairs(str(g[2].get("prompt_id", n)), g[1],
-                                     jp.comparisons_per_prompt)]
+    plan = pairwise_plan(groups, jp)
     results = judge_pairs(judge, [(g[0], g[1][i], g[1][j]) for g, i, j in plan])
     stats = getattr(judge, "stats", None)
     if stats is not None:
@@ -236,14 +242,20 @@ def lexicon_agreement(jp: JudgeParams, clear: Sequence[tuple[Prompt, str, str]],
             f"{prefix}lexicon_agreement_n": float(len(decided))}
 
 
+def audited_pairs(pool: Sequence[PreferencePair], labels: dict[str, audit.AuditLabel]
+                  ) -> list[tuple[PreferencePair, str]]:
+    """Pool pairs a person gave a side (`chosen_ok` or `swap`), with that verdict."""
+    return [(p, labels[pid].verdict) for p in pool for pid in [audit.pair_id(p)]
+            if pid in labels and labels[pid].verdict != "drop"]
+
+
 def audit_agreement(judge: PairwiseJudge, pool: Sequence[PreferencePair],
                     labels: dict[str, audit.AuditLabel], prefix: str) -> dict[str, float]:
     """How often the judge sides with the people who audited earlier pairs: each pool pair
     with a `chosen_ok` or `swap` label (a `drop` has no side) is shown to the judge in both
     orders; over those it decides, the rate at which it prefers the person's winner. Empty
     when nothing is labelled."""
-    audited = [(p, labels[pid].verdict) for p in pool for pid in [audit.pair_id(p)]
-               if pid in labels and labels[pid].verdict != "drop"]
+    audited = audited_pairs(pool, labels)
     if not audited:
         return {}
     said = judge_pairs(judge, [(p.prompt, p.chosen, p.rejected) for p, _ in audited])
@@ -269,6 +281,17 @@ def judge_all(judge: PairwiseJudge, groups: Sequence[Group], source: str, jp: Ju
         return collect_groups([r for part in parts for r in part])
     return judge_groups(judge, groups, source,  # type: ignore[arg-type]
                         jp.pairs_per_prompt, pool_margin(jp))
+
+
+def requests_needed(judge: PairwiseLLMJudge, groups: Sequence[Group], jp: JudgeParams,
+                    audited: Sequence[PreferencePair] = ()) -> tuple[int, int]:
+    """(requests, comparisons): what judging `groups` (and the `audited` pairs' agreement)
+    would send to the judge's backend, before any is sent: every comparison in both orders,
+    less those its verdict cache answers, each distinct one asked once. Retries not counted."""
+    items = [(g[0], g[1][i], g[1][j]) for g, i, j in pairwise_plan(groups, jp)]
+    items += [(p.prompt, p.chosen, p.rejected) for p in audited]
+    orders = items + [(p, b, a) for p, a, b in items]
+    return judge.uncached(orders), len(orders)
 
 
 def rollout_groups(rollouts: Sequence[Rollout], iteration: int) -> list[Group]:

@@ -161,6 +161,13 @@ class PairwiseLLMJudge:
     def compare(self, prompt: Prompt, first: str, second: str) -> Verdict:
         return self.compare_many([(prompt, first, second)])[0]
 
+    def uncached(self, items: Sequence[tuple[Prompt, str, str]]) -> int:
+        """How many requests `compare_many(items)` would send: distinct orders its cache
+        lacks (asks nothing)."""
+        keys = {cache_key(self.version, p, a, b) for p, a, b in items}
+        hits = self.cache.get_many(sorted(keys)) if self.cache is not None else {}
+        return len(keys - hits.keys())
+
     def compare_many(self, items: Sequence[tuple[Prompt, str, str]]) -> list[Verdict]:
         start = time.monotonic()
         keys = [cache_key(self.version, p, a, b) for p, a, b in items]

@@ -50,5 +50,10 @@ class JudgeParams:
     timeout_s: float = 60.0         # http: seconds per request
     max_retries: int = 3            # http: retries on 429, 5xx and timeouts (then: invalid)
     backoff_s: float = 1.0          # http: first retry delay, doubled on each further retry
+    max_requests_per_tick: int = 0  # http: requests one run of a `judge` stage may send (a tick
+                                    #   runs one), counted from its rollouts, the audited pairs
+                                    #   and the verdict cache before any is sent; more fails the
+                                    #   stage, and the run, before judging. Retries (429, 5xx,
+                                    #   timeouts) are not counted. 0 = no limit
     workers: int = 1                # Ray workers judging shards of the prompts (1 = no Ray);
                                     #   pointwise kinds (lexicons, reward_model) only
