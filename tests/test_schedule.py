@@ -114,7 +114,8 @@ def test_tick_parameters_validate_in_a_fresh_process_as_a_served_fire_does():
                           capture_output=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     out = proc.stdout.decode().splitlines()
-    assert out == ["{'workspace': '/w', 'overlap': 'skip'}", "rejected", "[]"]
+    assert out == ["{'workspace': '/w', 'overlap': 'skip', 'max_runs_per_day': 0}",
+                   "rejected", "[]"]
 
 
 class Served:
