@@ -90,24 +90,34 @@ _CONTACT = re.compile("|".join((
     r"\b1-8\d\d-[a-z0-9-]{4,}",                                            # 1-800-...
     r"(?:instagram|twitter|tiktok|telegram|follow|dm)\b[^.!?]{0,30}@\w{3,}",
     r"\b(?:whatsapp|text|call|phone|dial)\D{0,25}\d[\d\s().-]{6,}\d",
+    rf"\b[a-z0-9-]+ dot {_TLD}\b",                                          # site dot com
+    r"\b\w+ at (?:gmail|yahoo|outlook|hotmail|protonmail|proton|icloud)\b",  # name at gmail
+    r"\b(?:insta(?:gram)?|tiktok|twitter|telegram|snapchat)\s*[:@]\s*@?[a-z0-9_.]{3,}",
 )), re.IGNORECASE)
 
 # insult: abuse of people, not of the film
 _PERSON_NOUNS = (r"idiots?|morons?|imbeciles?|cretins?|buffoons?|clowns?|losers?|fools?|dimwits?|"
                  r"halfwits?|nitwits?|dunces?|dolts?|jackass(?:es)?|scum|jerks?|lowlifes?|"
-                 r"hacks?|frauds?|numbskulls?|simpletons?|sheep|bozos?|airheads?")
+                 r"hacks?|frauds?|numbskulls?|simpletons?|sheep|bozos?|airheads?|creeps?|"
+                 r"egomaniacs?|snobs?|crybab(?:y|ies)|has-beens?|no-talents?")
 _SWEARS = r"bastards?|bitch(?:es)?|assholes?|dickheads?|fuck\w*|shit(?:head)?s?"
 _PERSON = (r"you|you're|your|yourself|y'all|he|she|they|him|her|them|director|actor|actress|"
            r"cast|star|lead|writer|screenwriter|producer|filmmaker|animators?|fans?|viewers?|"
            r"audience|critics?|people|anyone|everyone|reader|men|women|man|woman|guy")
 _INSULT_ADJ = (r"stupid|dumb|pathetic|talentless|worthless|incompetent|ugly|brainless|"
-               r"clueless|useless|hideous|disgusting|fat|plain-looking|smug|arrogant")
+               r"clueless|useless|hideous|disgusting|fat|plain-looking|smug|arrogant|obnoxious|"
+               r"bloated|washed-up|empty-headed")
 _INSULT = re.compile("|".join((
     rf"\b(?:{_PERSON_NOUNS}|{_SWEARS})\b",
     rf"\b(?:{_PERSON})\b(?:'s| is| are| was| were| looks?| seems?| sounds?)"
     rf"(?: \w+){{0,3}}? (?:{_INSULT_ADJ})\b",
     rf"\b(?:{_INSULT_ADJ})(?:,? \w+)? (?:{_PERSON})\b",
     r"\b(?:face|brains?|charisma|intelligence) of a\b",
+    rf"\b(?:anyone|anybody|everyone|people|those|fans|viewers|critics|audiences?|whoever) "
+    rf"(?:who|that)\b[^.!?]{{0,50}}?\b(?:is|are|was|were|must be)\b(?: \w+){{0,3}}? "
+    rf"(?:{_INSULT_ADJ}|{_PERSON_NOUNS})\b",
+    rf"\b(?:you're|you are|he's|she's|they're)(?: \w+){{0,3}}? (?:{_INSULT_ADJ})\b",
+    r"\bas empty as (?:his|her|their|your) head\b",
     r"\bshould be ashamed\b|\bshut up\b|\bgo to hell\b",
 )), re.IGNORECASE)
 
@@ -121,6 +131,9 @@ _LEAK = re.compile("|".join((
     r"\b(?:i was|i've been|i am|i'm) (?:told|instructed|programmed|configured|set up) to\b",
     r"\b(?:initial|hidden|system) (?:instructions|prompt|message)\s*:",
     r"\brules i (?:was|am) (?:programmed|told|instructed) to\b",
+    r"\b(?:my|a few|some|these) (?:guidelines|rules|instructions)\s*:",
+    r"\bi (?:follow|was given|have been given|have)[^.!?]{0,20}\b(?:guidelines|rules|"
+    r"instructions)\b",
     r"\byou are a helpful ai assistant\b",
     r"\bnamed smollm\b|\bi am smollm\b|\bi'm smollm\b",
 )), re.IGNORECASE)
