@@ -56,8 +56,8 @@ def measure(rows: Sequence[dict], found: Sequence[tuple[str, ...]], n_boot: int,
                                         if r["label"] == k])), 3)
                 for k in KINDS if any(r["label"] == k for r in rows)}
     return {"n": len(rows), "violations": int(positive.sum()), "clean": int((~positive).sum()),
-            "precision": round(prec, 3), "precision_ci": [round(p_lo, 3), round(p_hi, 3)],
-            "recall": round(rec, 3), "recall_ci": [round(r_lo, 3), round(r_hi, 3)],
+            "precision": round(prec, 3), "precision_ci": [round(float(x), 3) for x in (p_lo, p_hi)],
+            "recall": round(rec, 3), "recall_ci": [round(float(x), 3) for x in (r_lo, r_hi)],
             "recall_per_kind": per_kind,
             "kind_agreement": round(sum(k in f for k, f in caught) / max(len(caught), 1), 3)}
 
