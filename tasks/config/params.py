@@ -237,6 +237,9 @@ def _check_ranges(p: Params, b: _Builder) -> None:
                f"{p.rollout.samples_per_prompt}")
     if not 0.0 < p.train_rm.heldout_fraction < 1.0:
         b.fail(("train_rm", "heldout_fraction"), "must be in (0, 1)")
+    if p.gate.production != 0 and str(p.gate.production) not in p.iterations:
+        b.fail(("gate", "production"), f"must be 0 (nothing in production: the reference) or "
+               f"an iteration the params list, got {p.gate.production}")
     _check_dpo_and_rm(p, b)
     _check_ppo(p, b)
     _check_lora(p, b)
@@ -259,6 +262,7 @@ POSITIVE = (
     "update.ppo.lr", "update.ppo.epochs", "update.ppo.minibatch_size", "update.ppo.value_lr",
     "evaluate.n_prompts", "evaluate.bootstrap", "evaluate.generation.max_new_tokens",
     "evaluate.generation.batch_size", "evaluate.best_of_n.n_prompts",
+    "evaluate.redteam.samples_per_prompt",
 )
 
 
