@@ -401,7 +401,9 @@ def test_reuse_across_a_temperature_change_is_refused_at_the_update(
 @pytest.mark.parametrize("line, message", [
     ("truncate: [2.0, 1.0]", "update.ppo.reuse.truncate: must be [lo, hi]"),
     ("truncate: [0.5]", "update.ppo.reuse.truncate: must be [lo, hi]"),
-    ("iterations_back: 2", "update.ppo.reuse.iterations_back: must be 0 or 1"),
+    ("iterations_back: -1", "update.ppo.reuse.iterations_back: must be >= 0, got -1"),
+    ("iterations_back: 3", "update.ppo.reuse.max_staleness: must be >= iterations_back (3), "
+                           "got 1"),
     ("level: word", "update.ppo.reuse.level: expected one of ['token', 'sequence']"),
 ])
 def test_bad_reuse_params_name_file_line_and_key(line: str, message: str) -> None:
