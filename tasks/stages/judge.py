@@ -1,9 +1,11 @@
 """Stage `judge`: the AI judge labels this iteration's rollouts (RLAIF).
 
 The judge's verdicts become DPO's pairs (best vs worst of each prompt's K samples) and the reward
-model's new pool pairs; how, in tasks/judging/labelling.py. The pool of the previous iteration is
-carried forward with the new pairs appended (off-policy cold start, on-policy iteration), and the
-judge's agreement with the person's audit labels is measured on it.
+model's new pool pairs; how, in tasks/judging/labelling.py. Each pair keeps its sides' tokens
+and the sampler's per-token log-probs, which off-policy DPO weighs a reused pair by. The pool
+of the previous iteration is carried forward with the new pairs appended (off-policy cold
+start, on-policy iteration), and the judge's agreement with the person's audit labels is
+measured on it.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ct
 
 from tasks.core import jsonl, layout
 from tasks.data import audit
-from tasks.data.records import parse_pair, parse_rollout
+from tasks.data.records import parse_pair, parse_rollout, with_sampler_logprobs
 from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import audit_agreement, judge_all, rollout_groups
 
@@ -34,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     jp = args.params.judge
     judge = make_judge(jp, root, args.device)
     pairs, new, metrics = judge_all(judge, groups, f"iter_{it}", jp, root)
+    pairs, new = with_sampler_logprobs(pairs, rollouts), with_sampler_logprobs(new, rollouts)
     pool_path = str(root / layout.pairs_pool(args.prev))
     pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
     labels_path = root / layout.AUDIT_LABELS
