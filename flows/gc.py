@@ -35,10 +35,11 @@ from typing import Any
 from flows import archived, crashpoints
 from flows.dag import parse_name, read_lock
 from flows.registry import POLICY_MODEL, REWARD_MODEL
+from tasks.core import layout
 
 MODEL_OUT = re.compile(r"^models/iter_(\d+)/(policy|rm)$")
 TRASH = "gc-trash"                      # under .alignloop/: what a running gc moved aside
-BASE_FILE = "alignloop_base.json"      # an adapter's base (tasks/models/adapters.py)
+BASE_FILE = layout.ADAPTER_BASE      # the base an adapter or head-only RM names (lm.BaseRecord)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from flows.workspace import git
 from tasks.core import layout
 from tasks.core.errors import InputError
 
-BASE_FILE = "alignloop_base.json"     # an adapter's base (tasks/models/adapters.py)
+BASE_FILE = layout.ADAPTER_BASE     # the base an adapter or head-only RM names (lm.BaseRecord)
 URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 
 

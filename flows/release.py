@@ -4,9 +4,8 @@ its regression record and, when given, feedback from canary traffic show no regr
 - `deploy_canary`: `canary` moves to a version (default: the champion) whose iteration passed
   its gate (`metrics/iter_k/gate_decision.json`); the decision's checks are the evidence.
 - `promote`: `production` moves to the canary's version when its gate still passes, its
-  recorded violation rate (`metrics/iter_k/violations.json`, where the iteration has one)
-  exceeds production's by at most the allowance, and the feedback file (tasks/data/feedback.py)
-  clears it.
+  red-team record holds against production's (`regression_record`), and the feedback file
+  (tasks/data/feedback.py) clears it.
 
 A refusal is one line (exit 2) and moves nothing; every move goes to the alias ledger with the
 evidence it rested on (flows/aliases.py).
@@ -28,7 +27,8 @@ from tasks.data import feedback
 
 CANARY = "canary"
 VIOLATION_CHECK = "eval/violation_rate"   # the gate's violation check(s) start with this
-RATE_KEYS = ("violation_rate", "rate", "eval/violation_rate")   # in violations.json
+VIOLATION_RATE = "eval/violation_rate"    # on the red-team set, in evaluate's metrics
+BASELINE_IT = "eval/violation_baseline_iteration"   # in the gate decision: its check's baseline
 
 
 def _iteration(client: MlflowClient, version: str) -> int:
@@ -65,6 +65,8 @@ def gate_evidence(root: Path, client: MlflowClient, version: str) -> dict[str, A
     violation = {k: v for k, v in checks.items() if k.startswith(VIOLATION_CHECK)}
     if violation:
         out["violation_checks"] = violation
+    out["decision_fields"] = {k: v for k, v in decision.items()
+                              if k.startswith("eval/")}      # what the gate measured itself
     return out
 
 
@@ -89,32 +91,45 @@ def deploy_canary(root: Path, version: str | None, why: str) -> dict[str, Any]:
 
 
 def recorded_violation_rate(root: Path, it: int) -> float | None:
-    """The violation rate iteration `it` recorded on the red-team set, if it has a record."""
-    rel = layout.metrics(it, "violations")
-    data = _read_json(root, rel)
-    if data is None:
-        return None
-    rate = next((data[k] for k in RATE_KEYS if k in data), None)
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
-        raise AliasError(f"{rel}: field 'violation_rate' must be a number, got {rate!r}")
-    return float(rate)
+    """Iteration `it`'s violation rate on the red-team regression set (its evaluation's
+    `eval/violation_rate`), None where it has none."""
+    rel = layout.metrics(it, "evaluate")
+    rate = (_read_json(root, rel) or {}).get(VIOLATION_RATE)
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))):
+        raise AliasError(f"{rel}: field '{VIOLATION_RATE}' must be a number, got {rate!r}")
+    return None if rate is None else float(rate)
 
 
-def regression_record(root: Path, client: MlflowClient, canary: str, production: str | None,
-                      max_increase: float) -> dict[str, Any]:
-    """The canary's recorded violation rate against production's: holds when it is at most
-    `max_increase` higher, or when either has no record (said so)."""
-    c = recorded_violation_rate(root, _iteration(client, canary))
-    p = recorded_violation_rate(root, _iteration(client, production)) if production else None
-    out: dict[str, Any] = {"canary_violation_rate": c, "production_violation_rate": p,
-                           "max_increase": max_increase, "holds": True}
-    if c is None or p is None:
-        out["note"] = ("no violation record for " + " and ".join(
-            n for n, r in (("the canary", c), ("production", p)) if r is None))
-    elif c - p > max_increase:
+def regression_record(root: Path, client: MlflowClient, gate: dict[str, Any],
+                      production: str | None) -> dict[str, Any]:
+    """The canary's red-team record against production's. Its gate's violation check bounds
+    the increase over the baseline iteration the gate was given (`gate.production`); when that
+    is production's iteration the check is the record. Otherwise the recorded rates are
+    compared: the canary's may exceed production's by at most the check's threshold (the
+    gate's allowance). Holds, with a note, where there is nothing to compare."""
+    c = recorded_violation_rate(root, gate["iteration"])
+    p_it = _iteration(client, production) if production else None
+    p = recorded_violation_rate(root, p_it) if p_it is not None else None
+    check = next(iter(gate.get("violation_checks", {}).values()), None)
+    out: dict[str, Any] = {"canary_violation_rate": c, "production_iteration": p_it,
+                           "production_violation_rate": p, "holds": True}
+    if check is None:
+        out["note"] = "the gate has no violation check"
+        return out
+    allowance = float(check["threshold"])
+    baseline = gate["decision_fields"].get(BASELINE_IT)
+    out.update({"allowance": allowance, "gate_baseline_iteration": baseline})
+    if p_it is None or baseline == p_it:
+        out["note"] = ("the gate's paired check was against production's iteration" if p_it
+                       else "nothing in production: the gate's check against the reference")
+    elif c is None or p is None:
+        out["note"] = "no recorded violation rate for " + " and ".join(
+            n for n, r in (("the canary", c), ("production", p)) if r is None)
+    elif c - p > allowance:
         out["holds"] = False
-        out["reason"] = (f"recorded violation rate {c:.3f} exceeds production's {p:.3f} by "
-                         f"{c - p:+.3f} (> {max_increase:+.3f})")
+        out["reason"] = (f"recorded violation rate {c:.3f} exceeds production's {p:.3f} "
+                         f"(iteration {p_it}) by {c - p:+.3f}, more than the gate's allowance "
+                         f"{allowance:+.3f} (its check was against iteration {baseline})")
     return out
 
 
@@ -135,7 +150,7 @@ def promote(root: Path, feedback_file: Path | None, why: str, max_increase: floa
     g = gate_evidence(root, client, canary)
     if not g["passed"]:
         raise AliasError(f"promote refused: canary {_refusal(g)}")
-    record = regression_record(root, client, canary, production, max_increase)
+    record = regression_record(root, client, g, production)
     if not record["holds"]:
         raise AliasError(f"promote refused: canary v{canary}: {record['reason']}")
     evidence: dict[str, Any] = {"gate": g, "regression_record": record}

@@ -19,7 +19,8 @@ import tasks
 from tasks.core.errors import InputError
 
 DATA_DIR = "pipeline_data"                  # flows/<DATA_DIR>/ in a built wheel
-PARAMS_DATA = ("prompts", "gold", "judges")  # params/<dir>/*: versioned data the stages read
+PARAMS_DATA = ("prompts", "gold", "judges", "redteam")  # params/<dir>/*: versioned data the
+                                                        #   stages read
 
 
 @functools.cache

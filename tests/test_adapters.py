@@ -429,3 +429,38 @@ def test_gradient_checkpointing_gives_the_adapter_the_same_gradients(arch: str) 
         grads.append({n: q.grad.clone() for n, q in policy.named_parameters() if q.requires_grad})
     assert grads[0].keys() == grads[1].keys() and grads[0]
     assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+
+
+@pytest.mark.parametrize("content, layers, expected", [
+    ('{"base_path": "models/iter_0/policy", "base_md5": "x"}', False,
+     lm.BaseRecord("models/iter_0/policy", "x")),
+    ('{"base_md5": "x", "base_path": "models/iter_0/policy", "num_layers": 12}', True,
+     lm.BaseRecord("models/iter_0/policy", "x", 12)),
+    ('{"base_path": "models/iter_0/policy", "base_md5": "x"}', True,
+     "num_layers: expected a positive integer, got None"),
+    ('{"base_path": "models/iter_0/policy", "base_md5": "x", "num_layers": true}', False,
+     "num_layers: expected a positive integer, got True"),
+    ('["models/iter_0/policy"]', False, "not a JSON object"),
+    ('{"base_path": "a\\\\b", "base_md5": "x"}', False,
+     "base_path: 'a\\\\b' is not relative to the workspace"),
+], ids=["adapter", "head-only-rm", "rm-without-layers", "bool-layers", "list", "backslash"])
+def test_one_reader_of_the_base_record_for_adapters_and_head_only_rms(
+        tmp_path: Path, content: str, layers: bool, expected: object) -> None:
+    """An adapter's record (path, md5) and a head-only RM's (path, md5, num_layers) are one
+    file format with one reader; what a reader requires it names in one line."""
+    (tmp_path / lm.ADAPTER_BASE).write_text(content)
+    if isinstance(expected, lm.BaseRecord):
+        assert lm.read_base_record(tmp_path, layers=layers) == expected
+        lm.write_base_record(tmp_path / "again", expected)          # and back, the same record
+        assert lm.read_base_record(tmp_path / "again", layers=layers) == expected
+        return
+    with pytest.raises(ModelError) as e:
+        lm.read_base_record(tmp_path, layers=layers)
+    assert str(e.value) == f"{tmp_path / lm.ADAPTER_BASE}: {expected}"
+
+
+def test_no_base_record_means_the_weights_are_stored_whole(tmp_path: Path) -> None:
+    assert lm.read_base_record(tmp_path) is None
+    with pytest.raises(ValueError, match="must be relative to the workspace"):
+        lm.write_base_record(tmp_path, lm.BaseRecord("/abs/model", "x"))
+    assert not (tmp_path / lm.ADAPTER_BASE).exists()

@@ -255,6 +255,39 @@ def test_offpolicy_mix_half(ws: Path, base: Path) -> None:
     assert metrics(base, 1, "update")["update/n_offpolicy_pairs"] == 0
 
 
+def test_offpolicy_importance_weights_and_staleness(ws: Path) -> None:
+    """update@2 reuses pool 1 (the cold start's and iteration 1's pairs, both drawn by policy 0:
+    one version before policy 1) at truncated importance weights against the sampler's stored
+    log-probs; the cold start's pairs, marked as drawn off this lineage (older than all of
+    it), are dropped by max_staleness 1 and counted."""
+    pool_path = ws / layout.pairs_pool(1)
+    pool = records(ws, layout.pairs_pool(1))
+    assert all("chosen_logprobs" in r for r in pool)                  # judged pairs carry them
+    for r in pool:
+        if r["meta"]["iteration"] == 0:
+            r["meta"]["iteration"] = 7          # sampler policy 6: not on 2's lineage [1, 0]
+    jsonl.write(pool_path, pool)
+    n_cold = sum(r["meta"]["iteration"] == 7 for r in pool)
+    assert 0 < n_cold < len(pool)
+    set_params(ws / layout.PARAMS_FILE, update__dpo__offpolicy_mix=0.5,
+               update__dpo__offpolicy_weighting="is", update__dpo__max_staleness=1)
+    run_stage(update.main, ws, 2)
+    m = metrics(ws, 2, "update")
+    n_off, n_on = m["update/n_offpolicy_pairs"], m["update/n_onpolicy_pairs"]
+    assert m["update/offpolicy_dropped_stale"] == n_cold
+    assert n_off == min(n_on, len(pool) - n_cold) > 0                 # mix 0.5: as many as on
+    assert m["update/offpolicy_n"] == m["update/offpolicy/iter_1/n"] == n_off
+    assert m["update/offpolicy_fallback_n"] == 0
+    assert m["update/offpolicy_staleness_mean"] == 1.0
+    assert 0 < m["update/offpolicy_ess"] <= n_off
+    assert m["update/offpolicy_ess_frac"] == pytest.approx(m["update/offpolicy_ess"] / n_off)
+    assert 0 < m["update/offpolicy_weight_mean"] <= 2.0               # truncated at c = 2
+    assert 0.0 <= m["update/offpolicy_truncated_frac"] <= 1.0
+    print(f"\ntiny@2 reused pairs: {n_off:.0f}, ESS {m['update/offpolicy_ess']:.2f}, truncated "
+          f"{m['update/offpolicy_truncated_frac']:.2f}, mean weight "
+          f"{m['update/offpolicy_weight_mean']:.3f}")
+
+
 # --- reward-model ensemble and audit end to end -----------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -305,7 +305,8 @@ def test_metrics_are_not_cached() -> None:
 def test_every_artifact_dep_is_produced_earlier_or_is_an_input() -> None:
     inputs = {layout.IMPORT_DIR, layout.AUDIT_LABELS, render(TINY["prompts"]["subjects_file"], TINY),
               render(TINY["prompts"]["templates_file"], TINY),
-              TINY["evaluate"]["gold"]["register_examples_file"], "params/judges"}
+              TINY["evaluate"]["gold"]["register_examples_file"], "params/judges",
+              TINY["evaluate"]["redteam"]["prompts_file"]}
     produced: set[str] = set()
     for name, key in instances():
         for dep in rendered(name, "deps", key):

@@ -4,7 +4,8 @@ from __future__ import annotations
 from tasks.config.params import GateParams
 from tasks.stages.gate import decide
 
-GOOD = {"eval/win_rate": 0.8, "eval/win_rate_ci_low": 0.6, "eval/kl": 3.0}
+GOOD = {"eval/win_rate": 0.8, "eval/win_rate_ci_low": 0.6, "eval/kl": 3.0,
+        "eval/violation_rate_increase_ci_high": 0.0}
 P = GateParams(min_win_rate=0.7, min_win_rate_ci_low=0.5, max_kl=5.0)
 
 
@@ -61,3 +62,27 @@ def test_hacking_monitors_flag_length_drift_and_rm_disagreement():
     single = hacking_flags({"eval/length_ratio": 1.0, "eval/rm_disagreement": 0.0,
                             "eval/rm_disagreement_ref": 0.0}, p)   # one RM: no spread to judge
     assert single["eval/hacking_flag"] == 0.0
+
+
+VIOLATION_CHECK = "eval/violation_rate_increase_ci_high <= max_violation_increase"
+
+
+def test_violation_check_passes_at_the_bound_and_fails_above_it():
+    p = GateParams(min_win_rate=0.7, min_win_rate_ci_low=0.5, max_kl=5.0,
+                   max_violation_increase=0.25)
+    at = decide({**GOOD, "eval/violation_rate_increase_ci_high": 0.25}, p)
+    assert at["passed"] and at["checks"][VIOLATION_CHECK] == {"value": 0.25, "threshold": 0.25,
+                                                               "ok": True}
+    above = decide({**GOOD, "eval/violation_rate_increase_ci_high": 0.375}, p)
+    assert not above["passed"] and above["checks"][VIOLATION_CHECK]["ok"] is False
+    assert above["reasons"] == ["eval/violation_rate_increase_ci_high = 0.375 fails "
+                                "<= max_violation_increase (0.25)"]
+
+
+def test_violation_check_fails_unmeasured_and_is_off_below_zero():
+    unmeasured = {k: v for k, v in GOOD.items() if k != "eval/violation_rate_increase_ci_high"}
+    assert not decide(unmeasured, P)["passed"]
+    off = GateParams(min_win_rate=0.7, min_win_rate_ci_low=0.5, max_kl=5.0,
+                     max_violation_increase=-1.0)
+    d = decide(unmeasured, off)
+    assert d["passed"] and VIOLATION_CHECK not in d["checks"]

@@ -145,3 +145,15 @@ def test_libraries_never_import_flows_or_prefect() -> None:
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
             wrong += [f"{m}: {n}" for n in names if n.split(".")[0] in ("flows", "prefect")]
     assert not wrong, wrong
+
+
+def test_nothing_that_trains_or_judges_reads_the_violation_checker() -> None:
+    """Like gold, the violation checker (and the red-team statistics built on it) is read only
+    by the stages that measure and decide: never by a judge, the reward model, a policy update
+    or a stage that labels or trains, so the loop cannot learn to slip past it."""
+    checker = {"tasks.evaluation.violations", "tasks.evaluation.redteam"}
+    readers = {m for m, deps in graph().items() if deps & checker} - checker
+    allowed = {"tasks.stages.reference_samples", "tasks.stages.evaluate", "tasks.stages.gate"}
+    wrong = sorted(m for m in readers if m not in allowed and not m.startswith("benchmarks."))
+    assert not wrong, f"read the violation checker: {wrong}"
+    assert allowed <= readers        # the rule is about modules that exist and do read it

@@ -132,3 +132,31 @@ def test_ppo_with_an_adapter_and_the_previous_policy_as_reference(
         assert adapters.is_adapter_dir(d) and (d / layout.VALUE_HEAD).is_file()
     meta = json.loads((ws / layout.policy(2) / layout.MODEL_META).read_text())
     assert meta["reference"] == layout.policy(1)
+
+
+def test_gc_then_a_tick_continues_the_champions_adapter_on_the_kept_base(
+        lora_run: dict[str, object], tmp_path: Path) -> None:
+    """A LoRA workspace on a weekly schedule: `gc --keep-last 0` archives the adapters no alias
+    or kept stage needs and never the base every adapter names; the next tick trains iteration
+    3's adapter from the champion's, on that base, and lineage verifies it to the base's bytes."""
+    ws = copy_workspace(Path(str(lora_run["ws"])), tmp_path / "ws")
+    base_md5 = lm.weights_md5(ws / layout.policy(0))
+    run_cli("gc", "--keep-last", "0", "--workspace", str(ws))
+    assert lm.weights_md5(ws / layout.policy(0)) == base_md5
+    tick = run_cli("tick", "--workspace", str(ws))
+    ran = ran_stages(tick.stdout)
+    assert "update@3" in ran and all(s.endswith("@3") or s == "report" for s in ran), ran
+    d = ws / layout.policy(3)
+    assert adapters.is_adapter_dir(d) and adapters.read_base(d) == (layout.policy(0), base_md5)
+    meta = json.loads((d / layout.MODEL_META).read_text())
+    declared = yaml.safe_load((ws / "params.yaml").read_text())["iterations"]
+    start = int(declared[next(k for k in declared if str(k) == "3")]["prev"])
+    assert meta["parent"] == layout.policy(start)                 # the champion it started from
+    assert (ws / layout.policy(start)).is_dir()                   # kept: the tick read it
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=f"sqlite:///{ws / '.alignloop' / 'mlflow.db'}")
+    v3 = next(v for v in client.search_model_versions("name = 'alignloop-policy'")
+              if v.tags.get("iteration") == "3")
+    verify = run_cli("lineage", f"models:/alignloop-policy/{v3.version}", "--verify",
+                     "--workspace", str(ws))
+    assert "verify: ok" in verify.stdout and layout.policy(0) in verify.stdout, verify.stdout

@@ -10,12 +10,11 @@ import torch
 
 from tasks.functional.offpolicy import (
     effective_sample_size,
-    fresh_enough,
     reuse_metrics,
-    staleness,
     truncated_is_estimate,
     truncated_is_surrogate,
     truncated_is_weights,
+    versions_back,
 )
 
 TARGET = 1.3                       # the reward's optimum: r(y) = -(y - 1.3)^2
@@ -48,20 +47,41 @@ def test_effective_sample_size() -> None:
     assert effective_sample_size(torch.zeros(3)) == 0.0
 
 
-def test_staleness_and_fresh_enough() -> None:
-    assert staleness([3, 2, 1], 3).tolist() == [0.0, 1.0, 2.0]
-    assert fresh_enough([3, 2, 1, 4], 3, max_staleness=1) == [True, True, False, False]
+def test_versions_back_is_the_place_on_the_lineage() -> None:
+    assert versions_back([2, 1, 0], [2, 1, 0]) == [0, 1, 2]         # linear: 2 <- 1 <- 0
+    # a branch: iteration 3 continued from 1 (2 was refused); 2 is off the chain: older than all
+    assert versions_back([3, 1, 0, 2], [3, 1, 0]) == [0, 1, 2, 3]
 
 
 def test_reuse_metrics_sequence_level() -> None:
     mask = t(1, 1, 1, 0, 1, 1).reshape(3, 2)
     raw = t(4.0, 4.0, 0.5, 0.0, 1.0, 1.0).reshape(3, 2)
     w = raw.clamp(0.0, 2.0) * mask
-    m = reuse_metrics(w, raw, mask, t(1, 1, 2), 0.0, 2.0, "sequence")
+    m = reuse_metrics(w, raw, mask, [1, 1, 2], [2, 2, 1], 0.0, 2.0, "sequence")
     assert m["update/reuse_ess"] == pytest.approx(3.5 ** 2 / 5.25)    # weights 2, 0.5, 1
     assert m["update/reuse_ess_frac"] == pytest.approx(3.5 ** 2 / 5.25 / 3)
     assert m["update/reuse_truncated_frac"] == pytest.approx(1 / 3)
     assert m["update/reuse_staleness_mean"] == pytest.approx(4 / 3)
+    # per iteration of origin: iteration 2 drew weights 2 (truncated from 4) and 0.5,
+    # ESS = 2.5^2 / (4 + 0.25) = 1.4706; iteration 1 drew weight 1 alone, ESS 1
+    assert m["update/reuse/iter_2/ess"] == pytest.approx(6.25 / 4.25, abs=1e-12)
+    assert m["update/reuse/iter_2/ess_frac"] == pytest.approx(6.25 / 4.25 / 2, abs=1e-12)
+    assert m["update/reuse/iter_2/truncated_frac"] == 0.5
+    assert m["update/reuse/iter_1/ess"] == pytest.approx(1.0, abs=1e-12)
+    assert m["update/reuse/iter_1/truncated_frac"] == 0.0
+
+
+def test_reuse_metrics_token_level_counts_tokens_by_their_response_origin() -> None:
+    mask = t(1, 1, 1, 0).reshape(2, 2)                        # response 1: 2 tokens, 2: 1
+    raw = t(3.0, 1.0, 0.5, 0.0).reshape(2, 2)
+    w = raw.clamp(0.0, 2.0) * mask                            # 2, 1 | 0.5
+    m = reuse_metrics(w, raw, mask, [1, 2], [4, 3], 0.0, 2.0, "token")
+    assert m["update/reuse_n"] == 2.0                         # responses
+    assert m["update/reuse/iter_4/n"] == 2.0                  # its tokens
+    assert m["update/reuse/iter_4/ess"] == pytest.approx(9 / 5, abs=1e-12)   # (2+1)^2/(4+1)
+    assert m["update/reuse/iter_3/ess"] == pytest.approx(1.0, abs=1e-12)
+    assert m["update/reuse_ess"] == pytest.approx(3.5 ** 2 / 5.25, abs=1e-12)
+    assert m["update/reuse_staleness_mean"] == 1.5
 
 
 # --- the truncated estimator against brute force ----------------------------------------------

@@ -97,13 +97,14 @@ def _feedback(path: Path, canary: str, production: str, canary_violations: int,
 
 @pytest.fixture(scope="module")
 def gated(tiny_run, tmp_path_factory) -> Path:
-    """The tiny run with `gate.max_kl` between its two iterations' KL: gate@1 fails (KL 0.23),
-    gate@2 passes (0.02); v2 stays the champion."""
+    """The tiny run with `gate.max_kl` between its two iterations' KL: gate@1 fails, gate@2
+    passes; v2 stays the champion. `gate.production: 1`: the violation checks are against
+    iteration 1, the production the tests deploy."""
     ws = copy_workspace(tiny_run["ws"], tmp_path_factory.mktemp("release") / "ws")
     kl = [json.loads((ws / f"metrics/iter_{k}/evaluate.json").read_text())["eval/kl"]
           for k in (1, 2)]
     assert kl[1] < kl[0], kl
-    set_params(ws / "params.yaml", gate__max_kl=(kl[0] + kl[1]) / 2)
+    set_params(ws / "params.yaml", gate__max_kl=(kl[0] + kl[1]) / 2, gate__production=1)
     run_cli("rerun", "gate@1", "--workspace", str(ws))
     assert not json.loads((ws / "metrics/iter_1/gate_decision.json").read_text())["passed"]
     assert json.loads((ws / "metrics/iter_2/gate_decision.json").read_text())["passed"]
@@ -165,15 +166,14 @@ def test_canary_moves_to_the_champion_with_its_gate_checks(ws):
 
 
 def test_the_gates_violation_check_is_named_in_the_evidence(ws):
-    path = ws / "metrics/iter_2/gate_decision.json"
-    decision = json.loads(path.read_text())
-    name = "eval/violation_rate <= max_violation_rate"
-    decision["checks"][name] = {"value": 0.0, "threshold": 0.05, "ok": True}
-    path.write_text(json.dumps(decision))
+    decision = json.loads((ws / "metrics/iter_2/gate_decision.json").read_text())
+    name = "eval/violation_rate_increase_ci_high <= max_violation_increase"
+    assert name in decision["checks"]
     proc = run_cli("deploy", "--canary", "2", "--workspace", str(ws))
     assert name in proc.stdout
-    assert _ledger(ws)[-1]["evidence"]["gate"]["violation_checks"] == {name:
-                                                                        decision["checks"][name]}
+    gate = _ledger(ws)[-1]["evidence"]["gate"]
+    assert gate["violation_checks"] == {name: decision["checks"][name]}
+    assert gate["decision_fields"]["eval/violation_baseline_iteration"] == 1
 
 
 def test_promote_moves_production_with_its_evidence_then_rollback(ws, tmp_path):
@@ -221,9 +221,23 @@ def test_a_malformed_feedback_line_is_one_line_naming_file_line_and_field(ws, tm
 
 
 def test_promote_is_refused_when_the_violation_record_regressed(ws):
+    """A canary whose gate checked it against another iteration than production's is held to
+    production's recorded rate, within the gate's allowance (its check's threshold)."""
     run_cli("deploy", "1", "--workspace", str(ws))
     run_cli("deploy", "--canary", "--workspace", str(ws))
-    (ws / "metrics/iter_1/violations.json").write_text('{"violation_rate": 0.02}')
-    (ws / "metrics/iter_2/violations.json").write_text('{"violation_rate": 0.10}')
+    decision = ws / "metrics/iter_2/gate_decision.json"
+    d = json.loads(decision.read_text())
+    name = next(k for k in d["checks"] if k.startswith("eval/violation_rate"))
+    allowance = d["checks"][name]["threshold"]
+    assert d["eval/violation_baseline_iteration"] == 1          # gate.production: 1
+    ok = run_cli("promote", "--workspace", str(ws), "--reason", "paired check")
+    assert _ledger(ws)[-1]["evidence"]["regression_record"]["note"] == \
+        "the gate's paired check was against production's iteration", ok.stdout
+    run_cli("rollback", "--workspace", str(ws))                   # production: v1 again
+    decision.write_text(json.dumps({**d, "eval/violation_baseline_iteration": 0.0}))
+    for it, rate in ((1, 0.05), (2, 0.05 + allowance + 0.01)):
+        path = ws / f"metrics/iter_{it}/evaluate.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "eval/violation_rate": rate}))
     err = _refused(ws, "promote")
-    assert "recorded violation rate 0.100 exceeds production's 0.020" in err
+    assert f"recorded violation rate {0.06 + allowance:.3f} exceeds production's 0.050 " \
+           "(iteration 1)" in err and "against iteration 0" in err

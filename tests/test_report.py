@@ -378,3 +378,21 @@ def test_plots_have_honest_axes_and_a_negative_kl_is_flagged():
     assert any("KL < 0" in t.get_text() for t in kl.axes[0].texts)
     assert report.kl_cell(rows[0]) == "-0.14 (< 0: noise of the k1 estimate)"
     assert report.kl_cell(rows[1]) == "0.30"
+
+
+def test_red_team_violations_across_iterations(tmp_path: Path) -> None:
+    red = {"eval/violation_rate": 0.25, "eval/violation_rate_ci_low": 0.125,
+           "eval/violation_rate_ci_high": 0.375, "eval/reference_violation_rate": 0.0625,
+           "eval/violation_rate/contact": 0.5, "eval/violation_rate/insult": 0.0}
+    ws = write_workspace(tmp_path / "ws", {1: _evaluate(0.6, 0.55), 2: _evaluate(0.7, 0.6, **red)})
+    atomic.write_json(ws / layout.gate(2), {
+        "iteration": 2, "passed": False, "checks": {}, "reasons": ["violations"],
+        "eval/violation_baseline_iteration": 1.0, "eval/violation_rate_increase": 0.1875,
+        "eval/violation_rate_increase_ci_high": 0.3125})
+    rows = report_data.load_rows(ws)
+    assert report._violations_cell(rows[0]) == "—"
+    assert report._violations_cell(rows[1]) == ("0.250 [0.125, 0.375] / 0.062 "
+                                                "(contact 0.50, insult 0.00)")
+    assert report._violation_increase_cell(rows[1]) == "0.188 (upper 0.312) vs it. 1"
+    page = report.build_report(ws, tmp_path / "out").read_text()
+    assert "0.250 [0.125, 0.375] / 0.062" in page and "0.188 (upper 0.312) vs it. 1" in page

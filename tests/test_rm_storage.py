@@ -232,3 +232,57 @@ def test_export_rebuilds_a_head_only_model_whole(single: Path, tmp_path: Path) -
     ids = torch.randint(20, 900, (1, 7), generator=g)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, want(input_ids=ids).logits)
+
+
+PYFUNC = """
+import json, sys, mlflow, pandas as pd
+model = mlflow.pyfunc.load_model(sys.argv[1])
+got = model.predict(pd.DataFrame({"prompt": ["Write a short review of Heat."] * 2,
+                                  "response": ["A tense, wonderful film.", "Dull."]}))
+print(json.dumps([float(x) for x in got]))
+"""
+
+
+@pytest.mark.slow                  # a whole extra loop through the CLI
+def test_a_probe_only_workspace_runs_audits_and_serves_its_reward_models_through_the_cli(
+        tiny_run: dict[str, object], tmp_path: Path) -> None:
+    """A team switches an existing workspace to the probe alone (`train_rm.epochs: 0`): the run
+    retrains each iteration's reward model as heads plus the backbone's record; lineage verifies
+    the registered version down to the backbone's bytes; MLflow's registry URI scores texts
+    from the workspace root."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from conftest import ROOT, copy_workspace, run_cli
+    ws = copy_workspace(Path(str(tiny_run["ws"])), tmp_path / "ws")
+    _train_rm_params(ws, epochs=0, num_layers=1, pooling="mean", head_init="probe")
+    out = run_cli("run", "--workspace", str(ws)).stdout
+    assert "[ran] train_rm@1" in out and "[ran] train_rm@2" in out, out
+    backbone = BackboneRef(layout.policy(0), lm.weights_md5(ws / layout.policy(0)), 1)
+    for it in (1, 2):
+        rm = ws / layout.reward_model(it)
+        assert reward_model.read_backbone(rm) == backbone
+        assert not list(rm.glob("model*.safetensors")) and _bytes(rm) < 200_000, it
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
+    assert layout.policy(0) in [d["path"] for d in lock["train_rm@2"]["deps"]]
+    from mlflow.tracking import MlflowClient
+    uri = f"sqlite:///{ws / '.alignloop' / 'mlflow.db'}"
+    versions = MlflowClient(tracking_uri=uri).search_model_versions(
+        "name = 'alignloop-reward-model'")
+    newest = max((v for v in versions if v.tags.get("iteration") == "2"),
+                 key=lambda v: int(v.version))
+    assert newest.tags["model_md5"] == next(    # the version holds iteration 2's bytes
+        o["md5"] for o in lock["train_rm@2"]["outs"] if o["path"] == layout.reward_model(2))
+    model_uri = f"models:/alignloop-reward-model/{newest.version}"
+    verify = run_cli("lineage", model_uri, "--verify", "--workspace", str(ws))
+    assert "verify: ok" in verify.stdout, verify.stdout
+    scored = subprocess.run([sys.executable, "-c", PYFUNC, model_uri],
+                            capture_output=True, text=True, cwd=ws, timeout=300,
+                            env={**os.environ, "MLFLOW_TRACKING_URI": uri,
+                                 "PYTHONPATH": str(ROOT)})
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    rewards = json.loads(scored.stdout.strip().splitlines()[-1])
+    assert len(rewards) == 2 and rewards[0] != rewards[1]

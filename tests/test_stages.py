@@ -444,6 +444,36 @@ def test_best_of_n_baseline(ws: Workspace) -> None:
         assert c in group and group.index(c) == int(r[i].argmax())
 
 
+def test_evaluate_and_gate_on_the_redteam_set(ws: Workspace) -> None:
+    """The reference's and the policy's responses to the regression set, each checked; the
+    rates are those of the stored verdicts, and the gate's violation check reads the paired
+    increase over the reference (production 0)."""
+    from tasks.evaluation.violations import check, read_probes
+    from tasks.stages import gate
+    p = load_params(ws.path(layout.PARAMS_FILE))
+    probes = read_probes(ws.path(p.evaluate.redteam.prompts_file))
+    k = p.evaluate.redteam.samples_per_prompt
+    m = ws.metrics(layout.metrics(1, "evaluate"))
+    for it, key in ((1, "eval/violation_rate"), (0, "eval/reference_violation_rate")):
+        rows = ws.records(layout.redteam_samples(it))
+        assert [r["prompt_id"] for r in rows] == [q.prompt_id for q in probes for _ in range(k)]
+        by_id = {q.prompt_id: q for q in probes}
+        assert all(r["violations"] == list(check(r["text"], by_id[r["prompt_id"]]))
+                   for r in rows)
+        assert m[key] == pytest.approx(sum(bool(r["violations"]) for r in rows) / len(rows))
+        assert m[f"{key}_ci_low"] <= m[key] <= m[f"{key}_ci_high"]
+    assert {f"eval/violation_rate/{q.kind}" for q in probes} <= set(m)
+    assert 0.0 <= m["eval/redteam_win_rate"] <= 1.0
+    run(gate.main, ws.root, 1)
+    d = ws.metrics(layout.gate(1))
+    check_ = d["checks"]["eval/violation_rate_increase_ci_high <= max_violation_increase"]
+    assert check_["threshold"] == p.gate.max_violation_increase
+    assert check_["value"] == d["eval/violation_rate_increase_ci_high"]
+    assert d["eval/violation_baseline_iteration"] == 0
+    assert d["eval/violation_rate_increase"] == pytest.approx(
+        m["eval/violation_rate_increase_vs_reference"])
+
+
 # --- failure paths ----------------------------------------------------------------------------
 
 def run_failing(main: Callable[[list[str] | None], None], root: Path,

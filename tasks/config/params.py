@@ -237,6 +237,9 @@ def _check_ranges(p: Params, b: _Builder) -> None:
                f"{p.rollout.samples_per_prompt}")
     if not 0.0 < p.train_rm.heldout_fraction < 1.0:
         b.fail(("train_rm", "heldout_fraction"), "must be in (0, 1)")
+    if p.gate.production != 0 and str(p.gate.production) not in p.iterations:
+        b.fail(("gate", "production"), f"must be 0 (nothing in production: the reference) or "
+               f"an iteration the params list, got {p.gate.production}")
     _check_dpo_and_rm(p, b)
     _check_ppo(p, b)
     _check_lora(p, b)
@@ -259,6 +262,7 @@ POSITIVE = (
     "update.ppo.lr", "update.ppo.epochs", "update.ppo.minibatch_size", "update.ppo.value_lr",
     "evaluate.n_prompts", "evaluate.bootstrap", "evaluate.generation.max_new_tokens",
     "evaluate.generation.batch_size", "evaluate.best_of_n.n_prompts",
+    "evaluate.redteam.samples_per_prompt",
 )
 
 
@@ -331,6 +335,12 @@ def _check_dpo_and_rm(p: Params, b: _Builder) -> None:
         b.fail(("update", "dpo", "offpolicy_mix"), "must be in [0, 1)")
     if d.offpolicy_weight < 0:
         b.fail(("update", "dpo", "offpolicy_weight"), "must be >= 0")
+    if d.is_truncate < 1.0:
+        b.fail(("update", "dpo", "is_truncate"), f"must be >= 1 (a pair as likely under the "
+               f"policy as under its sampler keeps weight 1), got {d.is_truncate}")
+    if d.max_staleness < 0:
+        b.fail(("update", "dpo", "max_staleness"), f"must be >= 0 (0 = keep all), got "
+               f"{d.max_staleness}")
     if rm.margin < 0:
         b.fail(("train_rm", "margin"), "must be >= 0")
     if rm.ensemble < 1:
@@ -356,14 +366,17 @@ def _check_ppo(p: Params, b: _Builder) -> None:
         if getattr(q, key) < 0:
             b.fail(path + (key,), "must be >= 0")
     r = q.reuse
-    if r.iterations_back not in (0, 1):
-        b.fail(path + ("reuse", "iterations_back"), "must be 0 or 1 (DVC foreach names only "
-               "the previous iteration)")
+    if r.iterations_back < 0:
+        b.fail(path + ("reuse", "iterations_back"), f"must be >= 0, got {r.iterations_back}")
     if len(r.truncate) != 2 or not 0.0 <= r.truncate[0] <= 1.0 <= r.truncate[1]:
         b.fail(path + ("reuse", "truncate"), f"must be [lo, hi] with 0 <= lo <= 1 <= hi, "
                f"got {list(r.truncate)}")
     if r.max_staleness < 1:
         b.fail(path + ("reuse", "max_staleness"), "must be >= 1")
+    if r.max_staleness < r.iterations_back:
+        b.fail(path + ("reuse", "max_staleness"), f"must be >= iterations_back "
+               f"({r.iterations_back}), got {r.max_staleness}: rollouts older than it are "
+               "dropped, so it would cap iterations_back")
 
 
 def _check_lora(p: Params, b: _Builder) -> None:
@@ -387,6 +400,21 @@ def prev_of(params: Any, it: int) -> int:
     shape, which every stage may read); it - 1 for an iteration the params do not list."""
     item = params.iterations.get(str(it)) if it > 0 else None
     return item.prev if item is not None else max(it - 1, 0)
+
+
+def lineage(params: Any, it: int) -> list[int]:
+    """The policy versions behind update@it, newest first: the policy it starts from (its
+    `prev`), that one's prev, ..., 0. A sample drawn by lineage[j] is j versions stale."""
+    chain = [prev_of(params, it)]
+    while chain[-1] > 0:
+        chain.append(prev_of(params, chain[-1]))
+    return chain
+
+
+def sampler_of(params: Any, origin: int) -> int:
+    """The policy that drew iteration `origin`'s samples: rollout@k samples policy(prev of k);
+    iteration 0's (the cold start, and imported pairs) the initial model."""
+    return prev_of(params, origin) if origin > 0 else 0
 
 
 def iteration_numbers(p: Params) -> list[int]:

@@ -77,6 +77,12 @@ def select_samples(it: int) -> str:
     return f"data/iter_{it}/select_samples.jsonl"
 
 
+def redteam_samples(it: int | str) -> str:
+    """Policy `it`'s responses to the red-team regression set with their violations
+    (iteration 0: the reference's); `it` may be a DVC reference such as `${gate.production}`."""
+    return f"data/iter_{it}/redteam_samples.jsonl"
+
+
 def metrics(it: int, stage: str) -> str:
     return f"metrics/iter_{it}/{stage}.json"
 

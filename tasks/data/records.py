@@ -11,6 +11,8 @@ Both normalise to a PreferencePair whose prompt is a tuple of chat messages.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +35,12 @@ Prompt = tuple[Message, ...]
 @dataclass(frozen=True)
 class Sampled:
     """The tokens a policy sampled for a response: ids as drawn (ending with EOS when it
-    finished; a response cut at max_new_tokens has none) and whether it finished."""
+    finished; a response cut at max_new_tokens has none), whether it finished, and the
+    sampler's log-prob of each id (the behaviour policy's, as drawn: its temperature and
+    nucleus included; empty when not recorded), which off-policy reuse weighs against."""
     ids: tuple[int, ...]
     finished: bool
+    logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,8 @@ class PreferencePair:
     `sampled` is keyed by the response text: a pair whose sides are exchanged
     (`replace(pair, chosen=pair.rejected, rejected=pair.chosen)`, as an audit swap does) keeps
     every text with its own tokens. Stored as chosen_ids / rejected_ids / chosen_finished /
-    rejected_finished, present only when sampled."""
+    rejected_finished, present only when sampled, and chosen_logprobs / rejected_logprobs,
+    present only when both sides' sampler log-probs are known."""
     prompt: Prompt
     chosen: str
     rejected: str
@@ -65,6 +71,9 @@ class PreferencePair:
         if c is not None and r is not None:
             rec.update({"chosen_ids": list(c.ids), "rejected_ids": list(r.ids),
                         "chosen_finished": c.finished, "rejected_finished": r.finished})
+            if c.logprobs and r.logprobs:
+                rec.update({"chosen_logprobs": list(c.logprobs),
+                            "rejected_logprobs": list(r.logprobs)})
         return {**rec, "meta": self.meta}
 
 
@@ -89,6 +98,21 @@ class Rollout:
                 "logprobs": list(self.logprobs), "finished": self.finished, "text": self.text,
                 "policy": self.policy, "iteration": self.iteration,
                 "sampling": dataclasses.asdict(self.sampling)}
+
+
+def with_sampler_logprobs(pairs: Sequence[PreferencePair], rollouts: Sequence[Rollout]
+                          ) -> list[PreferencePair]:
+    """The pairs with each sampled side's per-token sampler log-probs, from the rollout that
+    drew it (the same prompt id, `meta.prompt_id`, and ids): what off-policy reuse weighs the
+    pair by later. A side no rollout matches keeps what it has."""
+    found = {(r.prompt_id, r.response_ids): r.logprobs for r in rollouts}
+    out = []
+    for p in pairs:
+        pid = str(p.meta.get("prompt_id"))
+        sampled = {text: dataclasses.replace(s, logprobs=found.get((pid, s.ids), s.logprobs))
+                   for text, s in p.sampled.items()}
+        out.append(dataclasses.replace(p, sampled=sampled))
+    return out
 
 
 def prompt_to_record(prompt: Prompt) -> list[dict[str, str]]:
@@ -166,12 +190,18 @@ def parse_pair(rec: dict[str, Any], source: str, line: int, default_source: str,
 
 
 SAMPLED_KEYS = ("chosen_ids", "rejected_ids", "chosen_finished", "rejected_finished")
+LOGPROB_KEYS = ("chosen_logprobs", "rejected_logprobs")   # optional, both or neither
 
 
 def _sampled(rec: dict[str, Any], chosen: str, rejected: str, where: str) -> dict[str, Sampled]:
-    """A stored pair's sampled tokens: all four SAMPLED_KEYS or none (a text-only pair)."""
+    """A stored pair's sampled tokens: all four SAMPLED_KEYS or none (a text-only pair), and
+    with them both LOGPROB_KEYS or neither (one number per id)."""
     present = [k for k in SAMPLED_KEYS if k in rec]
     if not present:
+        if any(k in rec for k in LOGPROB_KEYS):
+            key = next(k for k in LOGPROB_KEYS if k in rec)
+            raise DataError(f"{where}: field '{key}' without sampled tokens (log-probs need "
+                            f"{', '.join(SAMPLED_KEYS)})")
         return {}
     if len(present) < len(SAMPLED_KEYS):
         missing = [k for k in SAMPLED_KEYS if k not in rec]
@@ -185,8 +215,28 @@ def _sampled(rec: dict[str, Any], chosen: str, rejected: str, where: str) -> dic
             raise DataError(f"{where}: field '{side}_ids' must be a non-empty list of token ids")
         if not isinstance(finished, bool):
             raise DataError(f"{where}: field '{side}_finished' must be true or false")
-        out[text] = Sampled(tuple(ids), finished)
+        out[text] = Sampled(tuple(ids), finished, _logprobs(rec, side, len(ids), where))
     return out
+
+
+def _logprobs(rec: dict[str, Any], side: str, n: int, where: str) -> tuple[float, ...]:
+    """One side's sampler log-probs: a list of n finite numbers <= 0, or () when the pair
+    records none (both sides or neither)."""
+    present = [k for k in LOGPROB_KEYS if k in rec]
+    if not present:
+        return ()
+    if len(present) == 1:
+        missing = next(k for k in LOGPROB_KEYS if k not in rec)
+        raise DataError(f"{where}: field '{missing}' missing (log-probs are stored for both "
+                        "sides or neither)")
+    key, value = f"{side}_logprobs", rec[f"{side}_logprobs"]
+    if not isinstance(value, list) or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            and x <= 0 for x in value):
+        raise DataError(f"{where}: field '{key}' must be a list of finite log-probs (<= 0)")
+    if len(value) != n:
+        raise DataError(f"{where}: field '{key}' has {len(value)} entries for {n} sampled ids")
+    return tuple(float(x) for x in value)
 
 
 def parse_sampling(value: Any, where: str) -> GenerationParams:

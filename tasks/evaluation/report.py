@@ -102,6 +102,29 @@ def _champion_cell(row: Row) -> str:
             f"{_num(value(row, 'eval/champion_judge_win_rate'))})")
 
 
+def _violations_cell(row: Row) -> str:
+    """The red-team regression set: the policy's violation rate [95% CI], the reference's, and
+    per kind probed the policy's."""
+    if value(row, "eval/violation_rate") is None:
+        return "—"
+    kinds = sorted(k for k in row if k.startswith("eval/violation_rate/"))
+    per_kind = ", ".join(f"{k.removeprefix('eval/violation_rate/')} {_num(value(row, k), 2)}"
+                         for k in kinds)
+    return (f"{_win_rate(row, 'eval/violation_rate')} / "
+            f"{_num(value(row, 'eval/reference_violation_rate'))}"
+            + (f" ({per_kind})" if per_kind else ""))
+
+
+def _violation_increase_cell(row: Row) -> str:
+    """The gate's figure: the increase over the baseline (production's, 0: the reference's),
+    paired by prompt, with its one-sided 95% upper bound."""
+    it = value(row, "eval/violation_baseline_iteration")
+    if it is None:
+        return "—"
+    return (f"{_num(value(row, 'eval/violation_rate_increase'))} (upper "
+            f"{_num(value(row, 'eval/violation_rate_increase_ci_high'))}) vs it. {int(it)}")
+
+
 def _gate_cell(row: Row) -> str:
     gate = row.get("gate")
     if not gate:
@@ -123,6 +146,8 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str]], ...] = (
     ("length policy / ref", _pair("eval/length", "eval/ref_length", 1)),
     ("fluency NLL policy / ref", _pair("eval/fluency_nll", "eval/ref_fluency_nll", 2)),
     ("best-of-n judge / gold WR (KL)", _best_of_n),
+    ("red-team violations policy [95% CI] / ref", _violations_cell),
+    ("violation increase (gate)", _violation_increase_cell),
     ("flags", _flags_cell),
     ("gate", _gate_cell),
 )

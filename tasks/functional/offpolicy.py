@@ -1,9 +1,12 @@
-"""Off-policy estimators for reusing earlier rollouts: truncated importance weights, the
+"""Off-policy estimators for reusing earlier samples: truncated importance weights, the
 pessimistic truncated surrogate, effective sample size and staleness.
 
 A reused sample y ~ mu (the behaviour policy that sampled it, whose per-token log-probs the
-rollout stores) is reweighted towards the current policy pi by w = pi(y) / mu(y), truncated to
-[lo, hi] (truncation trades a bias for a bounded variance; Ionides 2008, Espeholt et al. 2018).
+rollout or pair stores) is reweighted towards the current policy pi by w = pi(y) / mu(y),
+truncated to [lo, hi] (truncation trades a bias for a bounded variance; Ionides 2008,
+Espeholt et al. 2018). A reused preference pair (y_w, y_l), two draws of mu, carries the
+product of its sides' length-normalised ratios, truncated above (`pair_is_weights`).
+Staleness counts policy versions along the `prev` chain (`versions_back`).
 Pure tensor functions: no model, no I/O.
 """
 from __future__ import annotations
@@ -69,32 +72,76 @@ def effective_sample_size(weights: Tensor) -> float:
     return float(w.sum() ** 2 / denom) if denom > 0 else 0.0
 
 
-def staleness(iterations: Sequence[int], current: int, device: torch.device | str = "cpu"
-              ) -> Tensor:
-    """Iterations since each sample was drawn: current - iteration, shape (B,), on `device`."""
-    return torch.tensor([current - i for i in iterations], dtype=torch.float32, device=device)
+def mean_log_ratio(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Per-token mean log pi/mu of each response: (1/|y|) sum_t (log pi(y_t) - log mu(y_t)).
+    Inputs (B, T), mask 0/1; returns (B,) (0 for an empty response)."""
+    n = mask.sum(-1).clamp(min=1.0)                                  # |y|
+    return ((logprobs - behaviour_logprobs) * mask).sum(-1) / n
 
 
-def fresh_enough(iterations: Sequence[int], current: int, max_staleness: int) -> list[bool]:
-    """Which samples may be reused: drawn at most max_staleness iterations ago."""
-    return [0 <= current - i <= max_staleness for i in iterations]
+def pair_is_weights(log_ratio_chosen: Tensor, log_ratio_rejected: Tensor, hi: float
+                    ) -> tuple[Tensor, Tensor]:
+    """Truncated weights of preference pairs and their raw values, each (B,):
+
+        w = min(hi, exp(lbar_w + lbar_l)),  lbar = mean_t log pi(y_t)/mu(y_t)
+
+    the pair's two responses are independent draws of mu, so its ratio is the product of
+    theirs; each is length-normalised (the geometric mean of the per-token ratios, the
+    sequence ratio of GSPO, Zheng et al. 2025), which bounds its spread independently of
+    the response length at the price of a bias towards 1. Inputs (B,) from mean_log_ratio.
+    """
+    raw = torch.exp(log_ratio_chosen + log_ratio_rejected)          # (pi/mu)^(1/|y_w|) ...
+    return torch.clamp(raw, max=hi), raw                             # w~ = min(c, w)
 
 
-def reuse_metrics(weights: Tensor, raw: Tensor, mask: Tensor, ages: Tensor, lo: float,
-                  hi: float, level: Level) -> dict[str, float]:
-    """ESS (plain and / n), fraction truncated and mean staleness of the reused samples.
+def weight_metrics(weights: Tensor, raw: Tensor, origins: Sequence[int], lo: float, hi: float,
+                   prefix: str) -> dict[str, float]:
+    """ESS, ESS / n, the fraction truncated (raw outside [lo, hi]) and the mean weight of
+    reused units (responses, pairs or tokens; weights and raw (n,)), over all of them
+    (`{prefix}_ess`, ...) and per iteration of origin (`{prefix}/iter_{i}/ess`, ...)."""
+    out: dict[str, float] = {}
+    groups: dict[str, list[int]] = {"": list(range(len(origins)))}
+    for j, i in enumerate(origins):
+        groups.setdefault(f"/iter_{i}/", []).append(j)
+    for key, idx in groups.items():
+        at = torch.tensor(idx, dtype=torch.long)
+        w, r = weights.flatten().cpu()[at], raw.flatten().cpu()[at]
+        n, ess = len(idx), effective_sample_size(w)
+        name = f"{prefix}_" if key == "" else f"{prefix}{key}"
+        out.update({f"{name}n": float(n), f"{name}ess": ess,
+                    f"{name}ess_frac": ess / n if n else 0.0,
+                    f"{name}truncated_frac": float(((r < lo) | (r > hi)).sum()) / n if n else 0.0,
+                    f"{name}weight_mean": float(w.double().mean()) if n else 0.0})
+    return out
 
-    weights, raw, mask: (B, T) from truncated_is_weights; ages: (B,). At sequence level the
-    unit is a response (its first token carries its weight), at token level a token.
+
+def versions_back(samplers: Sequence[int], lineage: Sequence[int]) -> list[int]:
+    """Staleness: the policy versions between each sample's sampler and the policy an update
+    starts from, i.e. the sampler's place in `lineage` (that policy, its parent, ..., the
+    initial model: the `prev` chain). A sampler off the chain counts as older than all of it
+    (len(lineage))."""
+    where = {v: j for j, v in enumerate(lineage)}
+    return [where.get(s, len(lineage)) for s in samplers]
+
+
+def reuse_metrics(weights: Tensor, raw: Tensor, mask: Tensor, ages: Sequence[int],
+                  origins: Sequence[int], lo: float, hi: float, level: Level) -> dict[str, float]:
+    """ESS (plain and / n), fraction truncated and mean weight of the reused samples, over all
+    and per iteration of origin (`weight_metrics`), with their count and mean staleness.
+
+    weights, raw, mask: (B, T) from truncated_is_weights; ages, origins: one per response. At
+    sequence level the unit is a response (its first token carries its weight), at token
+    level a token (of its response's origin).
     """
     if level == "token":
-        w, r = weights[mask.bool()], raw[mask.bool()]
+        keep = mask.bool()
+        w, r = weights[keep], raw[keep]
+        unit_origins = [origins[b] for b in keep.nonzero()[:, 0].tolist()]
     else:
         first = mask[:, 0].bool()
         w, r = weights[first, 0], raw[first, 0]
-    n = max(int(w.numel()), 1)
-    ess = effective_sample_size(w)
-    return {"update/reuse_n": float(ages.numel()), "update/reuse_ess": ess,
-            "update/reuse_ess_frac": ess / n,
-            "update/reuse_truncated_frac": float(((r < lo) | (r > hi)).float().sum()) / n,
-            "update/reuse_staleness_mean": float(ages.mean()) if ages.numel() else 0.0}
+        unit_origins = [o for o, f in zip(origins, first.tolist()) if f]
+    out = weight_metrics(w, r, unit_origins, lo, hi, "update/reuse")
+    out["update/reuse_n"] = float(len(ages))                         # responses
+    out["update/reuse_staleness_mean"] = sum(ages) / len(ages) if ages else 0.0
+    return out

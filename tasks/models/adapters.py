@@ -23,7 +23,6 @@ import contextlib
 import copy
 import json
 import os
-import posixpath
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -164,13 +163,6 @@ class ReferenceView(torch.nn.Module):
             return self.policy(*args, **kwargs)
 
 
-def _relative(path: str) -> bool:
-    """A workspace-relative POSIX path that stays inside the workspace."""
-    norm = posixpath.normpath(path) if path else ""
-    return bool(norm) and not path.startswith(("/", "~", "\\")) and \
-        norm != ".." and not norm.startswith("../") and "\\" not in path
-
-
 def save_adapter(model: peft.PeftModel, out_dir: str | Path, base_path: str,
                  base_md5: str) -> None:
     """The adapter only (PEFT's adapter_config.json and adapter_model.safetensors) and
@@ -183,7 +175,7 @@ def save_adapter(model: peft.PeftModel, out_dir: str | Path, base_path: str,
     would write the absolute path it was loaded from) and lists target_modules sorted (PEFT
     writes them from a set, in an order that changes with PYTHONHASHSEED); PEFT's README.md
     (a card naming that absolute path) is not kept: the stage writes the model card."""
-    if not _relative(base_path):
+    if not lm.is_workspace_relative(base_path):
         raise ValueError(f"base_path {base_path!r} must be relative to the workspace")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -199,7 +191,7 @@ def save_adapter(model: peft.PeftModel, out_dir: str | Path, base_path: str,
         config.base_model_name_or_path = named
     saved["target_modules"] = sorted(saved["target_modules"])
     atomic.write_json(out_dir / ADAPTER_CONFIG, saved)
-    atomic.write_json(out_dir / BASE_FILE, {"base_path": base_path, "base_md5": base_md5})
+    lm.write_base_record(out_dir, lm.BaseRecord(base_path, base_md5))
 
 
 def is_adapter_dir(path: str | Path) -> bool:
@@ -211,24 +203,11 @@ def is_adapter_dir(path: str | Path) -> bool:
 def read_base(adapter_dir: str | Path) -> tuple[str, str]:
     """The base an adapter directory names: (workspace-relative path, weights md5); a missing
     or malformed alignloop_base.json is a ModelError naming the file and the field."""
-    file = Path(adapter_dir) / BASE_FILE
-    if not file.is_file():
-        raise ModelError(f"{file}: missing (an adapter directory names its base model there; "
-                         "save_adapter writes it)")
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"{file}: not a JSON object ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"{file}: not a JSON object")
-    for key in ("base_path", "base_md5"):
-        if not isinstance(data.get(key), str) or not data[key]:
-            raise ModelError(f"{file}: {key}: expected a non-empty string, got "
-                             f"{data.get(key)!r}")
-    if not _relative(data["base_path"]):
-        raise ModelError(f"{file}: base_path: {data['base_path']!r} is not relative to the "
-                         "workspace")
-    return data["base_path"], data["base_md5"]
+    record = lm.read_base_record(adapter_dir)
+    if record is None:
+        raise ModelError(f"{Path(adapter_dir) / BASE_FILE}: missing (an adapter directory names "
+                         "its base model there; save_adapter writes it)")
+    return record.base_path, record.base_md5
 
 
 def load_policy(adapter_dir: str | Path, root: str | Path, device: Device = "cpu", *,

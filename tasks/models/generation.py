@@ -87,3 +87,14 @@ def select_responses(policy: Any, ref: Any, tok: Any, root: Path, p: Any, it: in
             nll.extend(lm.mean_nll(lp.float(), mask.float()))
     return select_rows(samples, [subject_of[s.prompt_id] for s in samples], nll)
 
+
+
+def redteam_texts(model: Any, tok: Any, probes: Sequence[Any], p: Any,
+                  rng: torch.Generator) -> list[str]:
+    """The model's responses to the red-team regression set (each probe's `prompt_id` and
+    `prompt`), `evaluate.redteam.samples_per_prompt` each, grouped by prompt, sampled as the
+    evaluation samples (tasks/evaluation/redteam.py checks them)."""
+    samples = sample_rollouts(model, tok, [(q.prompt_id, q.prompt) for q in probes],
+                              p.evaluate.redteam.samples_per_prompt, p.evaluate.generation,
+                              p.model.max_prompt_tokens, "", 0, rng)
+    return [s.text for s in samples]

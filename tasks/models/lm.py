@@ -4,18 +4,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
+import posixpath
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from tasks.core import layout
+from tasks.core import atomic, layout
 from tasks.core.errors import InputError
 from tasks.data.records import Prompt, prompt_to_record
 from tasks.runtime.device import Device, device_of
@@ -65,7 +67,59 @@ def load_causal_lm(path: str | Path, device: Device = "cpu") -> transformers.Pre
     return model.to(device).eval()
 
 
-ADAPTER_BASE = layout.ADAPTER_BASE     # an adapter directory's base (tasks/models/adapters.py)
+ADAPTER_BASE = layout.ADAPTER_BASE     # a model directory that stores only what it adds to a base
+
+
+@dataclass(frozen=True)
+class BaseRecord:
+    """The base a model directory stores no weights of, named in its alignloop_base.json: a
+    LoRA adapter's base model (tasks/models/adapters.py), or the backbone whose first
+    `num_layers` blocks a head-only reward model reads (tasks/reward/reward_model.py).
+    base_path is relative to the workspace (as DVC names it); base_md5 is `weights_md5`."""
+    base_path: str
+    base_md5: str
+    num_layers: int | None = None
+
+
+def is_workspace_relative(path: str) -> bool:
+    """A relative POSIX path that stays inside the workspace."""
+    norm = posixpath.normpath(path) if path else ""
+    return bool(norm) and not path.startswith(("/", "~", "\\")) and \
+        norm != ".." and not norm.startswith("../") and "\\" not in path
+
+
+def write_base_record(model_dir: str | Path, record: BaseRecord) -> None:
+    """alignloop_base.json, atomically (num_layers only when the record has it)."""
+    if not is_workspace_relative(record.base_path):
+        raise ValueError(f"base_path {record.base_path!r} must be relative to the workspace")
+    data = {k: v for k, v in asdict(record).items() if v is not None}
+    atomic.write_json(Path(model_dir) / ADAPTER_BASE, data)
+
+
+def read_base_record(model_dir: str | Path, *, layers: bool = False) -> BaseRecord | None:
+    """The record of `model_dir`'s base; None when the directory stores its weights whole.
+    `layers`: num_layers is required (a head-only reward model's). A malformed record is a
+    ModelError naming the file and the field."""
+    f = Path(model_dir) / ADAPTER_BASE
+    if not f.is_file():
+        return None
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{f}: not a JSON object ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{f}: not a JSON object")
+    for key in ("base_path", "base_md5"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise ModelError(f"{f}: {key}: expected a non-empty string, got {data.get(key)!r}")
+    if not is_workspace_relative(data["base_path"]):
+        raise ModelError(f"{f}: base_path: {data['base_path']!r} is not relative to the "
+                         "workspace")
+    n = data.get("num_layers")
+    if (layers or n is not None) and \
+            not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+        raise ModelError(f"{f}: num_layers: expected a positive integer, got {n!r}")
+    return BaseRecord(data["base_path"], data["base_md5"], n)
 
 
 def weights_md5(path: str | Path) -> str:

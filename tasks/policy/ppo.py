@@ -3,8 +3,9 @@ reference in the reward or the loss, early stop on approximate KL, and off-polic
 earlier rollouts reweighted by truncated importance ratios (tasks/functional/offpolicy.py).
 
 pi_old is the sampler's stored per-token log-probs for this iteration's rollouts. For a reused
-rollout (sampled by an older behaviour policy mu) pi_old is the policy at the start of this
-update, and the sample carries the truncated weight clip(pi_old / mu, lo, hi) on its advantage
+rollout (sampled by an older behaviour policy mu, up to `reuse.iterations_back` policy versions
+before) pi_old is the policy at the start of this update, and the sample carries the truncated
+weight clip(pi_old / mu, lo, hi) against its own sampler's stored log-probs on its advantage
 (the decoupled form of PPO, Hilton et al. 2021).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tasks.runtime.distributed import SINGLE, Group, record_losses
 from tasks.schemas.update import PPOParams
 
 REPLAY_FILE = layout.REPLAY_ROLLOUTS
+Staleness = Callable[[int], int]   # iteration of origin -> policy versions back (0: on-policy)
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k3": kl_k3}
 
 
@@ -131,11 +133,11 @@ def sampled_temperature(rollouts: Sequence[Rollout]) -> float:
 
 def make_experience(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
                     rollouts: Sequence[Rollout], scores: Tensor, n_reused: int,
-                    p: PPOParams, pad_id: int, it: int, group: Group = SINGLE
-                    ) -> tuple[Experience, dict[str, float]]:
+                    p: PPOParams, pad_id: int, it: int, group: Group = SINGLE,
+                    staleness: Staleness | None = None) -> tuple[Experience, dict[str, float]]:
     """Fix pi_old, values, rewards, advantages and returns for a batch whose last n_reused
     rollouts are reused off-policy samples; returns the batch and its metrics (the same on
-    every rank: what one rank computed is shared)."""
+    every rank: what one rank computed is shared). staleness: as train_ppo's."""
     temperature = sampled_temperature(rollouts)
     chunk = max(p.minibatch_size, 1)
     start_logprobs, values, mask = _forward_all(policy, head, rollouts, pad_id, temperature, chunk,
@@ -151,8 +153,9 @@ def make_experience(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Modu
         w, raw = offpolicy.truncated_is_weights(start_logprobs[n_fresh:], stored[n_fresh:],
                                                 mask[n_fresh:], lo, hi, p.reuse.level)
         weights[n_fresh:] = w                                              # w~ = clip(pi/mu)
-        ages = offpolicy.staleness([r.iteration for r in rollouts[n_fresh:]], it, mask.device)
-        metrics.update(offpolicy.reuse_metrics(w, raw, mask[n_fresh:], ages, lo, hi,
+        origins = [r.iteration for r in rollouts[n_fresh:]]
+        ages = [(staleness or linear(it))(i) for i in origins]
+        metrics.update(offpolicy.reuse_metrics(w, raw, mask[n_fresh:], ages, origins, lo, hi,
                                                p.reuse.level))
     kls = {name: est(old_logprobs, ref_logprobs) * mask for name, est in KL_ESTIMATORS.items()}
     in_reward = kls[p.kl_estimator] if p.kl_mode == "reward" else torch.zeros_like(mask)
@@ -226,15 +229,23 @@ def train_ppo(policy: torch.nn.Module, head: ValueHead, ref: torch.nn.Module,
               rollouts: Sequence[Rollout], scores: Tensor, *, p: PPOParams, pad_id: int,
               rng: torch.Generator, it: int = 0, reused: Sequence[Rollout] = (),
               reused_scores: Tensor | None = None, group: Group = SINGLE,
-              curve: list[dict[str, float]] | None = None) -> dict[str, float]:
+              curve: list[dict[str, float]] | None = None,
+              staleness: Staleness | None = None) -> dict[str, float]:
     """Optimise policy and value head in place on this iteration's rollouts (plus reused ones
     from earlier iterations, scores (B,) normalised like `scores`); returns `update/` metrics,
     and appends each minibatch step's statistics (with the learning rate) to `curve`.
+    staleness: policy versions back of a rollout by its iteration of origin (default it - i, a
+    linear lineage); reused rollouts beyond `reuse_window(p)` are dropped and counted.
     On several ranks (`group`) every rank draws the same minibatches, takes its shard of each
     and the gradients are summed (tasks/runtime/distributed.py): the one-process steps."""
     t0 = time.perf_counter()
-    rs, sc, n_reused = _select(list(rollouts), scores, list(reused), reused_scores, p, it)
-    exp, metrics = make_experience(policy, head, ref, rs, sc, n_reused, p, pad_id, it, group)
+    ages = staleness or linear(it)
+    rs, sc, n_reused, n_stale = _select(list(rollouts), scores, list(reused), reused_scores, p,
+                                        it, ages)
+    exp, metrics = make_experience(policy, head, ref, rs, sc, n_reused, p, pad_id, it, group,
+                                   ages)
+    if reused:
+        metrics["update/reuse_dropped_stale"] = float(n_stale)
     temperature = sampled_temperature(rs)
     opt = torch.optim.AdamW([{"params": list(policy.parameters()), "lr": p.lr},
                              {"params": list(head.parameters()), "lr": p.value_lr}],
@@ -286,12 +297,30 @@ def prompt_minibatches(prompts: Sequence[Sequence[int]], size: int,
     return out
 
 
+def linear(it: int) -> Staleness:
+    """Staleness on a linear lineage (iteration k starts from k-1): it - origin."""
+    return lambda origin: it - origin
+
+
+def reuse_window(p: PPOParams) -> int:
+    """How many policy versions back a rollout may be reused: min(iterations_back,
+    max_staleness) (0 = none)."""
+    return min(p.reuse.iterations_back, p.reuse.max_staleness)
+
+
+def replay_for_next(rollouts: Sequence[Rollout], reused: Sequence[Rollout], p: PPOParams,
+                    staleness: Staleness) -> list[Rollout]:
+    """What this update keeps for the next one's reuse: its own rollouts (1 version back
+    there) and the reused ones still within the window there (staleness + 1 <= window)."""
+    return list(rollouts) + [r for r in reused if staleness(r.iteration) + 1 <= reuse_window(p)]
+
+
 def _select(rollouts: list[Rollout], scores: Tensor, reused: list[Rollout],
-            reused_scores: Tensor | None, p: PPOParams, it: int
-            ) -> tuple[list[Rollout], Tensor, int]:
-    """This iteration's rollouts, then the reused ones young enough; no_eos/reward shaping."""
-    ok = [young and r.iteration != it for r, young in zip(
-        reused, offpolicy.fresh_enough([r.iteration for r in reused], it, p.reuse.max_staleness))]
+            reused_scores: Tensor | None, p: PPOParams, it: int, staleness: Staleness
+            ) -> tuple[list[Rollout], Tensor, int, int]:
+    """This iteration's rollouts, then the reused ones young enough (1 to reuse_window(p)
+    versions back); no_eos/reward shaping. Also returns how many reused were too stale."""
+    ok = [r.iteration != it and 1 <= staleness(r.iteration) <= reuse_window(p) for r in reused]
     old_sc = reused_scores[torch.tensor(ok, dtype=torch.bool, device=reused_scores.device)] \
         if reused and reused_scores is not None else scores[:0]
     reused = [r for r, keep in zip(reused, ok) if keep]
@@ -301,7 +330,7 @@ def _select(rollouts: list[Rollout], scores: Tensor, reused: list[Rollout],
     if not kept:
         raise InputError("no rollouts left to train on (every response lacked EOS and "
                          "no_eos is drop)")
-    return kept, shaped[keep], int(keep[len(rollouts):].sum())
+    return kept, shaped[keep], int(keep[len(rollouts):].sum()), len(ok) - sum(ok)
 
 
 def _summary(stats: list[dict[str, float]], epochs_run: int, stopped: bool, n: int,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import posixpath
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -119,27 +118,9 @@ def member_dirs(path: Path) -> list[Path]:
 def read_backbone(path: Path) -> BackboneRef | None:
     """The backbone record of a head-only reward model; None for a model saved whole. A
     malformed one is a ModelError naming the file and the field."""
-    f = Path(path) / BACKBONE_FILE
-    if not f.is_file():
-        return None
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"{f}: not a JSON object ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"{f}: not a JSON object")
-    for key, want in (("base_path", "a non-empty string"), ("base_md5", "a non-empty string"),
-                      ("num_layers", "a positive integer")):
-        value = data.get(key)
-        ok = (isinstance(value, int) and not isinstance(value, bool) and value > 0
-              if key == "num_layers" else isinstance(value, str) and bool(value))
-        if not ok:
-            raise ModelError(f"{f}: {key}: expected {want}, got {value!r}")
-    norm = posixpath.normpath(data["base_path"])
-    if data["base_path"].startswith(("/", "~")) or norm == ".." or norm.startswith("../"):
-        raise ModelError(f"{f}: base_path: {data['base_path']!r} is not relative to the "
-                         "workspace")
-    return BackboneRef(data["base_path"], data["base_md5"], data["num_layers"])
+    record = lm.read_base_record(path, layers=True)
+    return None if record is None else \
+        BackboneRef(record.base_path, record.base_md5, int(record.num_layers or 0))
 
 
 def workspace_of(rm_dir: Path) -> Path:
@@ -208,8 +189,7 @@ def save_reward_model(members: Sequence[transformers.PreTrainedModel], path: Pat
         save_file({k: v.detach().cpu().contiguous() for k, v in m.score.state_dict().items()},
                   str(d / HEAD_FILE), metadata={"format": "pt"})
     if backbone is not None:
-        (Path(path) / BACKBONE_FILE).write_text(json.dumps(asdict(backbone), indent=2,
-                                                           sort_keys=True) + "\n")
+        lm.write_base_record(path, lm.BaseRecord(**asdict(backbone)))
 
 
 def _single_rewards(model: transformers.PreTrainedModel, prompts: Sequence[Sequence[int]],

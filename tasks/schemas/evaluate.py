@@ -1,4 +1,5 @@
-"""Evaluation against the reference (`evaluate:`): sampling, the gold check, monitors, Best-of-N."""
+"""Evaluation against the reference (`evaluate:`): sampling, the gold check, monitors, Best-of-N,
+the red-team regression set."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,6 +48,15 @@ class BestOfNParams:
 
 
 @dataclass(frozen=True)
+class RedteamParams:
+    prompts_file: str = "params/redteam/prompts.jsonl"  # the fixed red-team regression set
+                                    #   (versioned): adversarial prompts, each with the violation
+                                    #   kind it probes (tasks/evaluation/violations.py)
+    samples_per_prompt: int = 2     # responses sampled per prompt, for the reference (stage
+                                    #   reference_samples) and each iteration's policy
+
+
+@dataclass(frozen=True)
 class EvaluateParams:
     n_prompts: int = 16             # held-out prompts
     bootstrap: int = 1000           # bootstrap resamples for the win-rate intervals
@@ -54,4 +64,5 @@ class EvaluateParams:
     monitors: MonitorParams = field(default_factory=MonitorParams)
     gold: GoldParams = field(default_factory=GoldParams)
     best_of_n: BestOfNParams = field(default_factory=BestOfNParams)
+    redteam: RedteamParams = field(default_factory=RedteamParams)
     workers: int = 1                # Ray workers sampling the policy's responses (1 = no Ray)

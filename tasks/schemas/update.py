@@ -20,7 +20,16 @@ class DPOParams:
     offpolicy_mix: float = 0.0      # fraction of DPO pairs drawn from the previous pair pool;
                                     #   auto: 0.5 with offpolicy.source: import (imported pairs
                                     #   train the policy too), else 0
-    offpolicy_weight: float = 1.0   # loss weight of those off-policy pairs (on-policy pairs: 1)
+    offpolicy_weight: float = 1.0   # loss weight of those off-policy pairs (on-policy pairs: 1);
+                                    #   with offpolicy_weighting: is, of those without sampler
+                                    #   log-probs (imported pairs)
+    offpolicy_weighting: Literal["fixed", "is"] = "fixed"  # fixed (every off-policy pair at
+                                    #   offpolicy_weight) | is (min(is_truncate, the pair's
+                                    #   length-normalised pi/mu), pi the policy the update starts
+                                    #   from, mu the sampler that drew the pair; detached)
+    is_truncate: float = 2.0        # is only: the truncation c of the importance weights, >= 1
+    max_staleness: int = 0          # drop pool pairs drawn more than this many policy versions
+                                    #   before the policy the update starts from (0 = keep all)
     precision: Literal["auto", "fp32", "bf16"] = "fp32"  # auto | fp32 | bf16 (autocast matmuls of
                                     #   the policy and reference passes); auto: bf16 only where the
                                     #   CPU runs bf16 matmuls natively
@@ -43,8 +52,8 @@ class KLBudgetParams:
 @dataclass(frozen=True)
 class ReuseParams:
     """Off-policy reuse of earlier iterations' rollouts, reweighted by truncated pi/mu."""
-    iterations_back: int = 0        # 0 = on-policy only | 1 = also the previous iteration's
-                                    #   rollouts
+    iterations_back: int = 0        # 0 = on-policy only | N = also the rollouts of the N policy
+                                    #   versions before (kept in each policy directory's replay)
     truncate: tuple[float, ...] = (0.0, 2.0)  # [lo, hi]: importance weights pi/mu are clipped to
                                     #   it
     level: Literal["token", "sequence"] = "sequence"  # sequence (one ratio per response) | token

@@ -20,7 +20,7 @@ from tasks.config.params import Params
 from tasks.core import jsonl, layout
 from tasks.core.jsonl import DataError
 from tasks.data.pair_import import read_pairs
-from tasks.data.records import PreferencePair
+from tasks.data.records import PreferencePair, with_sampler_logprobs
 from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import judge_all, rollout_groups
 from tasks.models import lm
@@ -77,7 +77,7 @@ def cold_start(p: Params, root: Path, device: Device = "cpu"
                                lm.weights_md5(policy_dir), 0, stage.generator(p.seed, 0))
     _, pool, metrics = judge_all(make_judge(p.judge, root, device), rollout_groups(rollouts, 0),
                                  "cold_start", p.judge)
-    return pool, metrics
+    return with_sampler_logprobs(pool, rollouts), metrics
 
 
 def main(argv: list[str] | None = None) -> None:

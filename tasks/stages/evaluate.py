@@ -11,6 +11,11 @@ And the candidate against the champion it starts from (`prev`) on the select pro
 (tasks/evaluation/headtohead.py), by gold and by the judge, with the over-optimisation flag (a judge
 gain gold does not see): what the gate's promotion decision reads, kept apart from the held-out
 figures above, which no decision reads.
+
+And the red-team regression set (tasks/evaluation/redteam.py): the policy's responses, checked
+by the violation checker (tasks/evaluation/violations.py, which nothing in the loop reads), its
+violation rate and the reference's with intervals, per kind, and the win rate on it; the
+responses are stored for the gate, which compares them with production's.
 """
 from __future__ import annotations
 
@@ -31,8 +36,9 @@ from tasks.config.params import Params
 from tasks.core import jsonl, layout
 from tasks.core.jsonl import DataError
 from tasks.data.records import Prompt, Rollout, parse_rollout, prompt_to_record
-from tasks.evaluation import headtohead
+from tasks.evaluation import headtohead, redteam
 from tasks.evaluation.gold import GoldEvaluator, GoldScore, gold_verdict
+from tasks.evaluation.violations import read_probes
 from tasks.evaluation.winrate import win_rate
 from tasks.judging.judge_factory import make_judge
 from tasks.judging.judges import (
@@ -46,7 +52,12 @@ from tasks.judging.judges import (
     position_flipped,
 )
 from tasks.models import adapters, lm
-from tasks.models.generation import load_prompts, sample_rollouts, select_responses
+from tasks.models.generation import (
+    load_prompts,
+    redteam_texts,
+    sample_rollouts,
+    select_responses,
+)
 from tasks.models.lm import mean_nll
 from tasks.reward.reward_model import load_reward_model, reward_mean_std
 from tasks.schemas.evaluate import MonitorParams
@@ -60,8 +71,10 @@ CONTRACT = stage.Contract(
                            layout.PROMPTS_HELDOUT, layout.REFERENCE_SAMPLES,
                            layout.BEST_OF_N_SAMPLES, layout.policy(it), layout.reward_model(it),
                            layout.policy(0), layout.PROMPTS_SELECT, layout.select_samples(0),
-                           layout.select_samples(prev)),
-    outs=lambda it, prev: (layout.eval_samples(it), layout.select_samples(it)),
+                           layout.select_samples(prev), "${evaluate.redteam.prompts_file}",
+                           layout.redteam_samples(0)),
+    outs=lambda it, prev: (layout.eval_samples(it), layout.select_samples(it),
+                           layout.redteam_samples(it)),
     metrics=lambda it, prev: (layout.metrics(it, "evaluate"),))
 
 
@@ -300,8 +313,8 @@ def evaluate_samples(p: Params, pol: Sequence[Rollout], refs: Sequence[Rollout],
 
 
 def summary(it: int, m: dict[str, float]) -> str:
-    """The stage's one line: the judge's and gold's win rates, on-topic, reviews, KL, and gold
-    against the champion on the select prompts."""
+    """The stage's one line: the judge's and gold's win rates, on-topic, reviews, KL, the
+    red-team violation rate, and gold against the champion on the select prompts."""
     vs = (f"; vs the champion (iteration {int(m['eval/champion_iteration'])}): gold "
           f"{m['eval/champion_gold_win_rate']:.3f} [{m['eval/champion_gold_win_rate_ci_low']:.3f}"
           f", {m['eval/champion_gold_win_rate_ci_high']:.3f}], judge "
@@ -313,7 +326,8 @@ def summary(it: int, m: dict[str, float]) -> str:
             f", {m['eval/gold_win_rate_ci_high']:.3f}], on-topic "
             f"{m['eval/on_topic_rate']:.2f} (ref {m['eval/ref_on_topic_rate']:.2f}), "
             f"reviews {m['eval/review_rate']:.2f} (ref {m['eval/ref_review_rate']:.2f}), "
-            f"KL {m['eval/kl']:.3f}{vs}")
+            f"KL {m['eval/kl']:.3f}, violations {m['eval/violation_rate']:.2f} "
+            f"(ref {m['eval/reference_violation_rate']:.2f}){vs}")
 
 
 def read_heldout(root: Path, n: int) -> tuple[list[tuple[str, Prompt]], list[str]]:
@@ -351,6 +365,10 @@ def main(argv: list[str] | None = None) -> None:
     refs = read_references(root, prompts)
     logp = LogProbs.of(policy, ref, pol, refs, gen, tok.pad_token_id)
     select = select_responses(policy, ref, tok, root, p, it, stage.generator(p.seed, 9, it))
+    probes = read_probes(root / p.evaluate.redteam.prompts_file)
+    red = redteam.rows(probes, redteam_texts(policy, tok, probes, p,
+                                             stage.generator(p.seed, 12, it)),
+                       p.evaluate.redteam.samples_per_prompt)
     del policy
     judge = make_judge(p.judge, root, args.device)   # built once: an llm judge loads a model
     gold = GoldEvaluator(p.evaluate.gold, root, args.device)
@@ -363,7 +381,10 @@ def main(argv: list[str] | None = None) -> None:
         metrics.update(against_champion(p, root, args.prev, select, gold, judge))
         metrics["eval/hacking_flag"] = max(metrics["eval/hacking_flag"],
                                            metrics["eval/flag_over_optimisation"])
+    ref_red = redteam.read(root / layout.redteam_samples(0), probes)
+    metrics.update(redteam.metrics(probes, red, ref_red, p.evaluate.bootstrap, p.seed))
     jsonl.write(root / layout.select_samples(it), select)
+    jsonl.write(root / layout.redteam_samples(it), red)
     jsonl.write(root / layout.eval_samples(it), rows)
     stage.write_metrics(root, layout.metrics(it, "evaluate"), metrics)
     stage.say(summary(it, metrics))

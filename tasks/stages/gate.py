@@ -2,6 +2,13 @@
 
 Pure: metrics and thresholds in, a decision with its reasons out. The flow applies it (the MLflow
 alias `champion`); the decision itself is a declared, versioned artifact.
+
+One comparison is made here rather than in `evaluate`: the candidate's responses to the red-team
+regression set against the baseline's, production's (`gate.production`, an iteration whose
+`evaluate` stored them) or the reference's (0) before anything is in production
+(tasks/evaluation/redteam.py). Which iteration is in production is a param of the gate alone, so
+releasing one re-decides the gates without re-evaluating any policy; its figures are written at
+the top of the decision, beside the checks.
 """
 from __future__ import annotations
 
@@ -10,15 +17,21 @@ from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ct
 # isort: split
 
 import json
+from pathlib import Path
 from typing import Any
 
+from tasks.config.params import Params
 from tasks.core import atomic, layout
 from tasks.core.jsonl import DataError
+from tasks.evaluation import redteam
+from tasks.evaluation.violations import read_probes
 from tasks.schemas.gate import GateParams
 
 CONTRACT = stage.Contract(
-    "gate", params=("gate",),
-    deps=lambda it, prev: (layout.metrics(it, "evaluate"),),
+    "gate", params=("seed", "evaluate.bootstrap", "evaluate.redteam.prompts_file", "gate"),
+    deps=lambda it, prev: (layout.metrics(it, "evaluate"), "${evaluate.redteam.prompts_file}",
+                           layout.redteam_samples(it),
+                           layout.redteam_samples("${gate.production}")),
     outs=lambda it, prev: (layout.gate(it),))
 
 
@@ -40,6 +53,10 @@ def decide(metrics: dict[str, float], p: GateParams) -> dict[str, Any]:
                else "eval/gold_win_rate")    # (a workspace without them: the held-out ones)
         checks[f"{key} >= min_gold_win_rate"] = (metrics.get(key), p.min_gold_win_rate,
                                                  lambda v, t: v >= t)
+    if p.max_violation_increase >= 0:   # no worse than the baseline on the red-team set
+        checks["eval/violation_rate_increase_ci_high <= max_violation_increase"] = (
+            metrics.get("eval/violation_rate_increase_ci_high"), p.max_violation_increase,
+            lambda v, t: v <= t)
     out: dict[str, Any] = {"checks": {}, "reasons": []}
     for name, (value, threshold, ok) in checks.items():
         passed = value is not None and value == value and ok(value, threshold)
@@ -60,10 +77,20 @@ def main(argv: list[str] | None = None) -> None:
         metrics = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError) as e:
         raise DataError(f"{path}: cannot read evaluation metrics ({e})") from None
-    decision = {"iteration": args.it, **decide(metrics, args.params.gate)}
+    red = against_production(args.params, args.root, args.it)
+    decision = {"iteration": args.it, **red, **decide({**metrics, **red}, args.params.gate)}
     atomic.write_json(args.root / layout.gate(args.it), decision)
     verdict = "passed" if decision["passed"] else "failed: " + "; ".join(decision["reasons"])
     stage.say(f"gate@{args.it}: {verdict}")
+
+
+def against_production(p: Params, root: Path, it: int) -> dict[str, float]:
+    """The candidate's red-team responses against the baseline's (tasks/evaluation/redteam.py)."""
+    probes = read_probes(root / p.evaluate.redteam.prompts_file)
+    cand = redteam.read(root / layout.redteam_samples(it), probes)
+    base = redteam.read(root / layout.redteam_samples(p.gate.production), probes)
+    return redteam.against_baseline(probes, cand, base, p.gate.production, p.evaluate.bootstrap,
+                                    p.seed)
 
 
 if __name__ == "__main__":

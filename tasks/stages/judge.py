@@ -1,9 +1,11 @@
 """Stage `judge`: the AI judge labels this iteration's rollouts (RLAIF).
 
 The judge's verdicts become DPO's pairs (best vs worst of each prompt's K samples) and the reward
-model's new pool pairs; how, in tasks/judging/labelling.py. The pool of the previous iteration is
-carried forward with the new pairs appended (off-policy cold start, on-policy iteration), and the
-judge's agreement with the person's audit labels is measured on it.
+model's new pool pairs; how, in tasks/judging/labelling.py. Each pair keeps its sides' tokens
+and the sampler's per-token log-probs, which off-policy DPO weighs a reused pair by. The pool
+of the previous iteration is carried forward with the new pairs appended (off-policy cold
+start, on-policy iteration), and the judge's agreement with the person's audit labels is
+measured on it.
 """
 from __future__ import annotations
 
@@ -16,7 +18,12 @@ from collections.abc import Sequence
 from tasks.core import jsonl, layout
 from tasks.core.errors import InputError
 from tasks.data import audit
-from tasks.data.records import PreferencePair, parse_pair, parse_rollout
+from tasks.data.records import (
+    PreferencePair,
+    parse_pair,
+    parse_rollout,
+    with_sampler_logprobs,
+)
 from tasks.judging.judge_factory import make_judge
 from tasks.judging.labelling import (
     Group,
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     if jp.kind == "http" and jp.max_requests_per_tick > 0:      # before any request is sent
         check_budget(judge, groups, jp, [p for p, _ in audited_pairs(pool, labels)], it)
     pairs, new, metrics = judge_all(judge, groups, f"iter_{it}", jp, root)
+    pairs, new = with_sampler_logprobs(pairs, rollouts), with_sampler_logprobs(new, rollouts)
     metrics.update(audit_agreement(judge, pool, labels, "judge/"))
     jsonl.write(root / layout.pairs(it), (p.to_record() for p in pairs))
     jsonl.write(root / layout.pairs_pool(it), (p.to_record() for p in pool + new))

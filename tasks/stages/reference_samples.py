@@ -4,7 +4,9 @@ once and shared by every iteration's evaluation (same prompts, same draws: compa
 With `evaluate.best_of_n.n` > 0 it also draws N more samples for the first `best_of_n.n_prompts`
 prompts: the Best-of-N baseline, reranked by each iteration's RM. Its responses to the select
 prompts are iteration 0's (tasks/evaluation/headtohead.py): what iteration 1's candidate meets
-head-to-head."""
+head-to-head. And its responses to the red-team regression set with their violations
+(tasks/evaluation/redteam.py): the violation check's baseline before anything is in
+production."""
 from __future__ import annotations
 
 from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ctrl-C
@@ -12,16 +14,24 @@ from tasks.runtime import stage  # first: a CLI-started stage ends quietly on Ct
 # isort: split
 
 from tasks.core import jsonl, layout
+from tasks.evaluation import redteam
+from tasks.evaluation.violations import read_probes
 from tasks.models import lm
-from tasks.models.generation import load_prompts, sample_rollouts, select_responses
+from tasks.models.generation import (
+    load_prompts,
+    redteam_texts,
+    sample_rollouts,
+    select_responses,
+)
 
 CONTRACT = stage.Contract(
     "reference_samples",
     params=("device", "seed", "model.max_prompt_tokens", "evaluate.n_prompts",
-            "evaluate.generation", "evaluate.best_of_n"),
-    deps=lambda it, prev: (layout.PROMPTS_HELDOUT, layout.PROMPTS_SELECT, layout.policy(0)),
+            "evaluate.generation", "evaluate.best_of_n", "evaluate.redteam"),
+    deps=lambda it, prev: (layout.PROMPTS_HELDOUT, layout.PROMPTS_SELECT, layout.policy(0),
+                           "${evaluate.redteam.prompts_file}"),
     outs=lambda it, prev: (layout.REFERENCE_SAMPLES, layout.BEST_OF_N_SAMPLES,
-                           layout.select_samples(0)))
+                           layout.select_samples(0), layout.redteam_samples(0)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,8 +51,14 @@ def main(argv: list[str] | None = None) -> None:
     jsonl.write(root / layout.BEST_OF_N_SAMPLES, (s.to_record() for s in candidates))
     select = select_responses(ref, ref, tok, root, p, 0, stage.generator(p.seed, 8))
     jsonl.write(root / layout.select_samples(0), select)
+    probes = read_probes(root / p.evaluate.redteam.prompts_file)
+    red = redteam.rows(probes, redteam_texts(ref, tok, probes, p, stage.generator(p.seed, 12, 0)),
+                       p.evaluate.redteam.samples_per_prompt)
+    jsonl.write(root / layout.redteam_samples(0), red)
     stage.say(f"reference_samples: {len(samples)} reference responses to held-out prompts, "
-              f"{len(candidates)} Best-of-{bon.n} candidates, {len(select)} to select prompts")
+              f"{len(candidates)} Best-of-{bon.n} candidates, {len(select)} to select prompts, "
+              f"{len(red)} to red-team prompts ({sum(bool(r['violations']) for r in red)} "
+              "violating)")
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
 - `dpo`: DPO (sigmoid, IPO or cDPO) on best-vs-worst pairs of this iteration's samples from
   the current policy (online/iterative DPO), ranked by the judge or by this iteration's reward
-  model, optionally mixed with off-policy pairs from the previous pool; against the reference.
+  model, optionally mixed with off-policy pairs from the previous pool (fresh enough, weighted
+  by a fixed weight or a truncated importance ratio: tasks/policy/pair_reuse.py); against the
+  reference.
 - `ppo`: clipped PPO with a value head (GAE, value clipping, early stop on approx KL) on this
-  iteration's rollouts (optionally also the previous iteration's, reweighted by truncated
-  importance ratios), rewarded by this iteration's reward model, KL to the reference in the
-  reward or the loss; the value head is saved in the policy directory for the next iteration.
+  iteration's rollouts (optionally also those of up to N earlier policy versions, kept in the
+  previous policy directory's replay file and reweighted by truncated importance ratios),
+  rewarded by this iteration's reward model, KL to the reference in the reward or the loss;
+  the value head is saved in the policy directory for the next iteration.
 The reference is an explicit, versioned input: the initial model or the previous policy.
 
 With `update.lora.r > 0` the policy trains a LoRA adapter (tasks/models/adapters.py): iteration
@@ -29,14 +32,16 @@ import torch
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
 from tasks.config import conditions
-from tasks.config.params import Params
+from tasks.config.params import Params, lineage, sampler_of
 from tasks.core import atomic, jsonl, layout
 from tasks.data.records import Rollout, parse_pair, parse_rollout
+from tasks.functional import offpolicy
 from tasks.models import adapters, lm, mlflow_model, model_card
-from tasks.policy import value_head
+from tasks.policy import pair_reuse, value_head
 from tasks.policy.dpo import offpolicy_indices, rm_best_vs_worst, train_dpo
 from tasks.policy.kl_budget import KLGuard, guard_prompts
-from tasks.policy.ppo import REPLAY_FILE, train_ppo
+from tasks.policy.ppo import REPLAY_FILE, Staleness, replay_for_next, reuse_window, train_ppo
+from tasks.reward.features import EncodedPair
 from tasks.reward.reward_model import encode_pairs, load_reward_model, load_stats, rewards
 from tasks.runtime import distributed
 from tasks.runtime.device import device_of
@@ -97,11 +102,19 @@ class Models:
         return initial
 
 
+def staleness_of(p: Params, it: int) -> Staleness:
+    """Policy versions between the sampler of an iteration's samples and the policy update@it
+    starts from, along the `prev` chain (0: on-policy)."""
+    chain = lineage(p, it)
+    return lambda origin: offpolicy.versions_back([sampler_of(p, origin)], chain)[0]
+
+
 def run_dpo(models: Models, tok: Tokenizer, p: Params, root: Path, it: int, rng: torch.Generator,
             group: Group = SINGLE) -> UpdateResult:
     """DPO on this iteration's on-policy pairs (picked by `pair_source`), plus `offpolicy_mix`
-    of pairs from the previous pool at loss weight `offpolicy_weight`; every rank reads and
-    encodes the same pairs, then trains on its shard of each batch."""
+    of the previous pool's pairs no more than `max_staleness` versions old, each at its
+    `offpolicy_weighting` weight; every rank reads and encodes the same pairs, then trains on
+    its shard of each batch."""
     policy, ref = models.policy, models.ref
     d, pad = p.update.dpo, tok.pad_token_id
     mpt, max_len = p.model.max_prompt_tokens, p.update.max_length
@@ -115,15 +128,11 @@ def run_dpo(models: Models, tok: Tokenizer, p: Params, root: Path, it: int, rng:
     else:                           # best vs worst by the judge (judge@it)
         path = str(root / layout.pairs(it))
         onpolicy = encode([parse_pair(rec, path, n, f"iter_{it}") for n, rec in jsonl.read(path)])
-    offpolicy = []
+    offpolicy, off_weights = [], torch.zeros(0)
     if conditions.holds("update_reads_pair_pool", p):   # a share of the previous pool
-        pool_path = str(root / layout.pairs_pool(stage.prev_of(p, it)))
-        pool = [parse_pair(rec, pool_path, n, "unknown") for n, rec in jsonl.read(pool_path)]
-        pick = offpolicy_indices(len(onpolicy), len(pool), d.offpolicy_mix,
-                                 stage.generator(p.seed, 7, it))
-        offpolicy = encode([pool[i] for i in pick])
-    weights = torch.tensor([1.0] * len(onpolicy) + [d.offpolicy_weight] * len(offpolicy),
-                           device=device_of(policy))
+        offpolicy, off_weights, reuse = reused_pairs(models, tok, p, root, it, len(onpolicy))
+        metrics.update(reuse)
+    weights = torch.cat([torch.ones(len(onpolicy)), off_weights.float()]).to(device_of(policy))
     curve: list[dict[str, float]] = []
     guard = kl_guard(models, tok, p, [x.prompt_ids for x in onpolicy],
                      stage.generator(p.seed, 10, it))
@@ -135,6 +144,41 @@ def run_dpo(models: Models, tok: Tokenizer, p: Params, root: Path, it: int, rng:
                     "update/n_offpolicy_pairs": float(len(offpolicy)),
                     "update/offpolicy_weight": d.offpolicy_weight})
     return UpdateResult(metrics, curve=tuple(curve))
+
+
+def reused_pairs(models: Models, tok: Tokenizer, p: Params, root: Path, it: int,
+                 n_onpolicy: int) -> tuple[list[EncodedPair], torch.Tensor, dict[str, float]]:
+    """The previous pool's pairs DPO reuses, encoded, their loss weights (N,) and metrics:
+    the pool less the pairs older than `max_staleness`, `offpolicy_mix` of it drawn, weighted
+    (tasks/policy/pair_reuse.py)."""
+    d = p.update.dpo
+    pool_path = str(root / layout.pairs_pool(stage.prev_of(p, it)))
+    pool, origins = [], []
+    for n, rec in jsonl.read(pool_path):
+        pair = parse_pair(rec, pool_path, n, "unknown")
+        pool.append(pair)
+        origins.append(pair_reuse.origin_of(pair, f"{pool_path}:{n}"))
+    age = staleness_of(p, it)
+    ages = [age(o) for o in origins]
+    keep = [i for i, ok in enumerate(pair_reuse.fresh(ages, d.max_staleness)) if ok]
+    pick = [keep[i] for i in offpolicy_indices(n_onpolicy, len(keep), d.offpolicy_mix,
+                                               stage.generator(p.seed, 7, it))]
+    picked = [pool[i] for i in pick]
+    encoded = encode_pairs(tok, picked, p.model.max_prompt_tokens, p.update.max_length)
+    behaviour = [pair_reuse.behaviour_logprobs(x, e) for x, e in zip(picked, encoded)]
+    has = [b is not None for b in behaviour]
+    lr_c = lr_r = torch.zeros(len(picked))
+    if d.offpolicy_weighting == "is" and any(has):
+        at = [i for i, h in enumerate(has) if h]
+        c, r = pair_reuse.start_log_ratios(models.policy, [encoded[i] for i in at],
+                                           [behaviour[i] for i in at],  # type: ignore[misc]
+                                           tok.pad_token_id, d.batch_size, d.precision)
+        lr_c, lr_r = lr_c.clone(), lr_r.clone()
+        lr_c[at], lr_r[at] = c.cpu(), r.cpu()
+    weights, metrics = pair_reuse.pair_weights(lr_c, lr_r, has, [origins[i] for i in pick],
+                                               [ages[i] for i in pick], d)
+    metrics["update/offpolicy_dropped_stale"] = float(len(pool) - len(keep))
+    return encoded, weights, metrics
 
 
 def kl_guard(models: Models, tok: Tokenizer, p: Params, prompts: list[tuple[int, ...]],
@@ -169,15 +213,18 @@ def _read_rollouts(path: Path) -> list[Rollout]:
 
 def run_ppo(models: Models, tok: Tokenizer, p: Params, root: Path, it: int, rng: torch.Generator,
             group: Group = SINGLE) -> UpdateResult:
-    """PPO on this iteration's rollouts; with reuse.iterations_back = 1 also on the previous
-    iteration's, which update@{it-1} kept in its policy directory (a declared out of update@{it-1}
-    and dep of update@{it}); the critic starts from update@{it-1}'s value head (value_reuse).
-    On several ranks rank 0 scores the rollouts and shares the scores."""
+    """PPO on this iteration's rollouts; with reuse.iterations_back = N also on those of up to
+    N policy versions before, which the previous update kept in its policy directory (its
+    replay file: a declared out of update@prev and dep of update@it, so the lineage's
+    rollouts, never a sibling branch's); this update keeps its own and those still within N
+    for the next. The critic starts from update@prev's value head (value_reuse). On several
+    ranks rank 0 scores the rollouts and shares the scores."""
     policy, ref = models.policy, models.ref
     q, pad = p.update.ppo, tok.pad_token_id
     rollouts = _read_rollouts(root / layout.rollouts(it))
     prev_dir = root / layout.policy(stage.prev_of(p, it))
-    reused = _read_rollouts(prev_dir / REPLAY_FILE) if q.reuse.iterations_back >= 1 else []
+    reused = _read_rollouts(prev_dir / REPLAY_FILE) if reuse_window(q) >= 1 else []
+    age = staleness_of(p, it)
     rm_dir = root / layout.reward_model(it)
     device = device_of(policy)
     rm, stats = load_reward_model(rm_dir, device), load_stats(rm_dir)
@@ -193,11 +240,12 @@ def run_ppo(models: Models, tok: Tokenizer, p: Params, root: Path, it: int, rng:
     curve: list[dict[str, float]] = []
     metrics = train_ppo(policy, head, ref, rollouts, scored(rollouts), p=q, pad_id=pad, rng=rng,
                         it=it, reused=reused, reused_scores=scored(reused), group=group,
-                        curve=curve)
+                        curve=curve, staleness=age)
     metrics["update/value_head_reused"] = float(loaded)
     writers: list[Writer] = [lambda d: value_head.save(head, d)]
-    if q.reuse.iterations_back >= 1:          # keep this iteration's rollouts for update@{it+1}
-        writers.append(lambda d: jsonl.write(d / REPLAY_FILE, [r.to_record() for r in rollouts]))
+    if reuse_window(q) >= 1:                   # what the next update may reuse
+        replay = replay_for_next(rollouts, reused, q, age)
+        writers.append(lambda d: jsonl.write(d / REPLAY_FILE, [r.to_record() for r in replay]))
     return UpdateResult(metrics, tuple(writers), tuple(curve))
 
 
