@@ -121,7 +121,8 @@ def regression_record(root: Path, client: MlflowClient, gate: dict[str, Any],
     out.update({"allowance": allowance, "gate_baseline_iteration": baseline})
     if p_it is None or baseline == p_it:
         out["note"] = ("the gate's paired check was against production's iteration" if p_it
-                       else "nothing in production: the gate's check against the reference")
+                       else f"nothing in production: the gate's check was against iteration "
+                            f"{baseline} (0: the reference)")
     elif c is None or p is None:
         out["note"] = "no recorded violation rate for " + " and ".join(
             n for n, r in (("the canary", c), ("production", p)) if r is None)
