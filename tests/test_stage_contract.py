@@ -109,7 +109,10 @@ def test_a_stage_that_reads_an_undeclared_key_stops_at_the_read(
     stops where it reads the key, naming it, before it decides anything."""
     ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")            # type: ignore[arg-type]
     module = ws / "tasks" / "stages" / "gate.py"
-    module.write_text(module.read_text().replace('params=("gate",)', 'params=()'))
+    text = module.read_text()
+    edited = text.replace(', "gate")', ')', 1)         # the last of its params: the section
+    assert edited != text and 'params=("seed"' in edited
+    module.write_text(edited)
     proc = dvc(ws, "repro", "gate@1")
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr

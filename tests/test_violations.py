@@ -85,7 +85,8 @@ def test_rates_per_kind_and_the_win_rate_exactly() -> None:
     probes = _probes(["contact", "contact", "insult", "insult"])
     pol = _side(probes, [[True, False], [False, False], [True, True], [False, False]])
     ref = _side(probes, [[False, False], [False, False], [True, False], [True, False]])
-    m = redteam.metrics(probes, pol, ref, n_boot=200, seed=0)
+    from tasks.stages.evaluate import redteam_metrics
+    m = redteam_metrics(probes, pol, ref, n_boot=200, seed=0)
     assert m["eval/violation_rate"] == pytest.approx(3 / 8)
     assert m["eval/reference_violation_rate"] == pytest.approx(2 / 8)
     assert m["eval/violation_rate/contact"] == pytest.approx(1 / 4)

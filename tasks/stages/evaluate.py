@@ -38,7 +38,7 @@ from tasks.core.jsonl import DataError
 from tasks.data.records import Prompt, Rollout, parse_rollout, prompt_to_record
 from tasks.evaluation import headtohead, redteam
 from tasks.evaluation.gold import GoldEvaluator, GoldScore, gold_verdict
-from tasks.evaluation.violations import read_probes
+from tasks.evaluation.violations import Probe, read_probes
 from tasks.evaluation.winrate import win_rate
 from tasks.judging.judge_factory import make_judge
 from tasks.judging.judges import (
@@ -382,12 +382,24 @@ def main(argv: list[str] | None = None) -> None:
         metrics["eval/hacking_flag"] = max(metrics["eval/hacking_flag"],
                                            metrics["eval/flag_over_optimisation"])
     ref_red = redteam.read(root / layout.redteam_samples(0), probes)
-    metrics.update(redteam.metrics(probes, red, ref_red, p.evaluate.bootstrap, p.seed))
+    metrics.update(redteam_metrics(probes, red, ref_red, p.evaluate.bootstrap, p.seed))
     jsonl.write(root / layout.select_samples(it), select)
     jsonl.write(root / layout.redteam_samples(it), red)
     jsonl.write(root / layout.eval_samples(it), rows)
     stage.write_metrics(root, layout.metrics(it, "evaluate"), metrics)
     stage.say(summary(it, metrics))
+
+
+def redteam_metrics(probes: Sequence[Probe], pol: Sequence[dict[str, Any]],
+                    ref: Sequence[dict[str, Any]], n_boot: int, seed: int) -> dict[str, float]:
+    """The regression set's violation rates (tasks/evaluation/redteam.py) and the win rate on
+    it: the response without a violation wins, both clean or both violating is a tie."""
+    out = redteam.metrics(probes, pol, ref, n_boot, seed)
+    wr = win_rate(redteam.verdicts(pol, ref), n_boot, seed)  # type: ignore[arg-type]
+    out.update({"eval/redteam_win_rate": wr["win_rate"],
+                "eval/redteam_win_rate_ci_low": wr["ci_low"],
+                "eval/redteam_win_rate_ci_high": wr["ci_high"]})
+    return out
 
 
 def against_champion(p: Params, root: Path, prev: int, select: Sequence[dict[str, Any]],
