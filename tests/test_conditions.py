@@ -10,6 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import ROOT, TINY, copy_workspace, ran_stages, run_cli, set_params
@@ -104,8 +105,7 @@ def test_a_dpo_policy_neither_depends_on_nor_names_the_reward_model(tiny_run) ->
 
 def test_switching_to_ppo_by_hand_is_refused_until_the_run_declares_it(tiny_run, tmp_path):
     """A person sets update.algo: ppo in the workspace's params.yaml. `dvc repro update@1` by
-    hand stops in one line before it reads anything (dvc.yaml still declares DPO's inputs);
-    `alignloop run` renders dvc.yaml for PPO and the update records the RM it read."""
+    hand stops in one line before it reads anything (dvc.yaml still declares DPO's inputs)."""
     ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")
     set_params(ws / "params.yaml", update__algo="ppo")
     proc = _dvc(ws, "repro", "--single-item", "update@1")
@@ -114,6 +114,14 @@ def test_switching_to_ppo_by_hand_is_refused_until_the_run_declares_it(tiny_run,
     assert "update reads inputs declared there for other params (update_reads_reward_model" \
         in out and "`alignloop run` declares them anew" in out
     assert "Traceback" not in out
+
+
+@pytest.mark.slow      # reruns the loop from update@1 through the CLI
+def test_a_run_after_switching_to_ppo_declares_and_reads_the_reward_model(tiny_run, tmp_path):
+    """`alignloop run` after the switch renders dvc.yaml for PPO and the update records the RM
+    it read."""
+    ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")
+    set_params(ws / "params.yaml", update__algo="ppo")
     run = run_cli("run", "--workspace", str(ws))
     ran = ran_stages(run.stdout)
     assert {"update@1", "update@2"} <= set(ran)

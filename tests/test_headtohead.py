@@ -76,7 +76,8 @@ def test_select_prompts_use_subjects_neither_other_set_has_and_change_neither():
 
 
 def test_the_gate_promotes_only_a_gain_over_the_champion_beyond_its_noise():
-    base = {"eval/win_rate": 0.9, "eval/win_rate_ci_low": 0.8, "eval/kl": 5.0}
+    base = {"eval/win_rate": 0.9, "eval/win_rate_ci_low": 0.8, "eval/kl": 5.0,
+            "eval/violation_rate_increase_ci_high": 0.0}     # no worse on the red-team set
     p = GateParams(min_champion_gold_ci_low=0.5)
     vs = lambda lo: {"eval/champion_gold_win_rate": lo + 0.09,
                      "eval/champion_gold_win_rate_ci_low": lo}

@@ -88,6 +88,7 @@ def test_a_benchmark_restarts_itself_under_the_chosen_heap(tmp_path, choice, exp
     assert again.strip() == repr(expected)                         # whatever was set, replaced
 
 
+@pytest.mark.slow      # every training call in a process of its own, both sides: ~50 s
 def test_heap_ab_losses_equal_on_a_tiny_model(tmp_path) -> None:
     """`python -m benchmarks.heap_ab` on a tiny model, one pass per side: every training call
     ran in its own process under each setting and the losses are equal to the bit."""

@@ -35,8 +35,10 @@ def _changed(ws: Path) -> dict[str, list[str]]:
 def test_evaluate_param_reruns_only_evaluation(ws):
     _set_param(ws, "evaluate", "bootstrap", 300)
     changed = _changed(ws)
-    assert set(changed) == {"evaluate@1", "evaluate@2"}
+    # and the gates, whose violation check bootstraps its paired increase with that count
+    assert set(changed) == {"evaluate@1", "evaluate@2", "gate@1", "gate@2"}
     assert changed["evaluate@1"] == ["param evaluate.bootstrap: 500 -> 300"]   # old -> new
+    assert changed["gate@1"] == ["param evaluate.bootstrap: 500 -> 300"]
     moves = (ws / "registry" / "aliases.jsonl").read_text()
     ran = ran_stages(_run(ws).stdout)
     assert {s for s in ran if not s.startswith("gate@")} == {"evaluate@1", "evaluate@2",
@@ -212,6 +214,7 @@ def test_verify_fails_naming_a_remote_it_cannot_reach_unless_skipped(ws):
         skipped.stdout and "remote 'local'" not in skipped.stdout
 
 
+@pytest.mark.slow      # a whole extra loop through the CLI in the copy
 def test_a_copy_of_an_old_workspace_takes_its_own_remote(ws, tmp_path):
     """A workspace made when the default remote was named by absolute path: its copy, at its
     next run, names its own remote again (relative), and pushes nothing into the original's."""

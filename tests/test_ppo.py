@@ -18,7 +18,7 @@ import transformers
 import yaml
 from safetensors.torch import load_file
 
-from conftest import run_stage, set_params
+from conftest import run_stage, set_params, tiny_stage_workspace
 from tasks.config.params import PPOParams, ReuseParams
 from tasks.core import jsonl, layout
 from tasks.data.records import Message, Rollout
@@ -302,11 +302,7 @@ def _weights(root: Path, rel: str) -> dict[str, torch.Tensor]:
 def ppo_ws(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Tiny profile with algo ppo and rollout reuse two versions back: set-up, then three full
     iterations of rollout, judge, train_rm, update."""
-    root = tmp_path_factory.mktemp("ppo") / "ws"
-    (root / "params").mkdir(parents=True)
-    shutil.copytree(REPO / "params" / "prompts", root / "params" / "prompts")
-    shutil.copy(REPO / "params" / "tiny.yaml", root / layout.PARAMS_FILE)
-    (root / layout.IMPORT_DIR).mkdir(parents=True)
+    root = tiny_stage_workspace(tmp_path_factory.mktemp("ppo") / "ws")
     data = yaml.safe_load((root / layout.PARAMS_FILE).read_text())
     data["iterations"]["3"] = {"prev": 2}
     (root / layout.PARAMS_FILE).write_text(yaml.safe_dump(data, sort_keys=False))

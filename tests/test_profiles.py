@@ -118,6 +118,7 @@ def test_the_shipped_overlays_name_their_base_and_little_else() -> None:
         assert own.pop("base") == base and set(own) == sections, name
 
 
+@pytest.mark.slow      # a whole loop through the CLI from a new workspace
 def test_a_profile_that_leaves_out_a_key_a_stage_reads_runs_through(tmp_path: Path) -> None:
     """A person's profile leaves `offpolicy.source` to its default (cold_start). dvc.yaml names
     it for update@k, and DVC fails a stage whose key params.yaml lacks, defaults or not: the
