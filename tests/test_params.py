@@ -216,6 +216,22 @@ def test_http_judge_profile_differs_from_default_only_in_the_judge() -> None:
     assert set(own) == {"base", "judge"} and own["base"] == "default.yaml"   # no copy to drift
 
 
+def test_safety_profile_differs_from_default_only_in_its_imported_pairs() -> None:
+    """default-safety: the default loop on the imported red-team pairs (and the off-policy mix
+    that `auto` gives imports), read from where `alignloop import` writes them."""
+    base = leaves(to_dict(load_params(PARAMS_DIR / "default.yaml")))
+    safety = leaves(to_dict(load_params(PARAMS_DIR / "default-safety.yaml")))
+    assert base.keys() == safety.keys()
+    assert {k for k in base if base[k] != safety[k]} == \
+        {("offpolicy", "source"), ("update", "dpo", "offpolicy_mix")}
+    assert safety[("offpolicy", "source")] == "import"
+    assert safety[("offpolicy", "import_path")] == "data/import/pairs.jsonl"
+    assert safety[("update", "dpo", "offpolicy_mix")] == 0.5
+    own = yaml.safe_load((PARAMS_DIR / "default-safety.yaml").read_text())
+    assert own == {"base": "default.yaml", "offpolicy": {
+        "source": "import", "import_path": "data/import/pairs.jsonl"}}
+
+
 WORKERS = {("rollout", "workers"), ("judge", "workers"), ("evaluate", "workers"),
            ("update", "processes"), ("train_rm", "processes")}
 
