@@ -255,7 +255,7 @@ def test_served_fires_run_a_tick_and_cancel_the_overlapping_one(ws, tmp_path):
     assert dep.global_concurrency_limit.limit == 1
     assert dep.concurrency_options.collision_strategy == ConcurrencyLimitStrategy.CANCEL_NEW
     assert cron.concurrency_options.collision_strategy == ConcurrencyLimitStrategy.ENQUEUE
-    assert cron.parameters == {"workspace": str(ws), "overlap": "wait"}
+    assert cron.parameters == {"workspace": str(ws), "overlap": "wait", "max_runs_per_day": 0}
     assert not cron.paused                  # serving again resumes a paused schedule
     log = subprocess.run(["git", "log", "--format=%s"], cwd=ws, capture_output=True,
                          text=True).stdout.splitlines()

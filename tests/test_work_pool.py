@@ -97,7 +97,7 @@ def test_a_worker_runs_the_deployed_tick_and_commits_the_iteration(ws, tmp_path)
     assert pool.type == "process" and dep.work_pool_name == POOL
     assert dep.global_concurrency_limit.limit == 1
     assert dep.concurrency_options.collision_strategy == ConcurrencyLimitStrategy.CANCEL_NEW
-    assert dep.parameters == {"workspace": str(ws), "overlap": "skip"}
+    assert dep.parameters == {"workspace": str(ws), "overlap": "skip", "max_runs_per_day": 0}
     assert [s.schedule.cron for s in dep.schedules] == ["0 3 * * 1"]
     log_lines = subprocess.run(["git", "log", "--format=%s"], cwd=ws, capture_output=True,
                                text=True).stdout.splitlines()
