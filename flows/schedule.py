@@ -176,10 +176,13 @@ def _next_iteration(ws: Workspace, waited_s: float) -> dict[str, object]:
     """Append the next iteration to params.yaml and run the DAG; called under the lock."""
     import os
 
-    from flows import pipeline  # MLflow, DVC: only for a tick that runs
+    from flows import pipeline, recovery, shipped  # MLflow, DVC: only for a tick that runs
     from flows.messages import say
     from tasks.runtime.stage import ERROR_FILE_ENV
     started = time.time()
+    if not shipped.is_source_tree(ws.root):     # what a run or tick killed with -9 left, as
+        recovery.sweep(ws.root)                  # `alignloop run` clears it (flows/run.py)
+        recovery.clear_killed_outputs(ws.root)
     head = git(ws.root, "rev-parse", "HEAD")
     path = ws.root / layout.PARAMS_FILE
     new, k = append_iteration(path.read_text(), champion_iteration(ws.root))

@@ -244,3 +244,16 @@ def test_truncated_model_weights_fail_in_one_line_and_leave_the_workspace_byte_i
     assert "stage prepare_model failed" in line and f"{weights}: unreadable weights" in line
     assert snapshot(ws, cache=False) == before       # params.yaml is the old profile's again
     assert _git(ws, "rev-parse", "HEAD") == head
+
+
+@pytest.mark.slow      # a tick: one whole extra iteration through the CLI
+def test_a_tick_clears_an_output_a_killed_stage_finished_before_it_appends_its_iteration(ws):
+    """The tick path clears what a killed run left, as `alignloop run` does: iteration 3's
+    rollouts, written by a stage that outlived its CLI, neither reach git nor stop the tick."""
+    (ws / "data" / "iter_3").mkdir(parents=True)
+    (ws / "data" / "iter_3" / "rollouts.jsonl").write_text('{"prompt": "x"}\n')
+    tick = run_cli("tick", "--workspace", str(ws))
+    assert "[ran] rollout@3" in tick.stdout, tick.stdout[-3000:]
+    assert "alignloop: iteration 3" in _git(ws, "log", "--format=%s").splitlines()
+    assert _git(ws, "ls-files", "data/iter_3") == "data/iter_3/.gitignore"   # DVC's outputs
+    assert _git(ws, "status", "--porcelain") == ""
