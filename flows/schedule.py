@@ -114,23 +114,13 @@ def over_daily_budget(ws: Workspace, max_runs: int, now: float) -> str | None:
             f"may run from {free}")
 
 
-def _refused(ws: Workspace, t0: float, why: str) -> str:
-    """Log a tick refused by its budget, as `_skipped` does; returns the line."""
-    _log_tick(ws, {"start": t0, "end": time.time(), "outcome": "refused", "why": why})
-    line = f"tick: refused ({why})"
-    print(line, flush=True)
-    with contextlib.suppress(Exception):      # outside a flow run (the CLI's pre-check)
-        get_run_logger().warning(line)
-    return line
-
-
 def refuse_if_over_budget(ws: Workspace, max_runs: int) -> bool:
     """True (and the refusal logged) when the daily budget is spent: checked before a flow
     run starts, as `skip_if_busy`; the tick checks again under the workspace lock."""
     why = over_daily_budget(ws, max_runs, time.time())
     if why is None:
         return False
-    _refused(ws, time.time(), why)
+    _not_run(ws, time.time(), "refused", why)
     return True
 
 
@@ -148,11 +138,12 @@ def _restore(ws: Workspace, head: str, iteration: int) -> None:
         repo.checkout(force=True)
 
 
-def _skipped(ws: Workspace, t0: float, why: str) -> str:
-    """Log a skipped tick (ticks.jsonl, terminal, Prefect log at WARNING so the UI shows it
-    at the CLI's quiet level); returns the line."""
-    _log_tick(ws, {"start": t0, "end": time.time(), "outcome": "skipped", "why": why})
-    line = f"tick: skipped ({why})"
+def _not_run(ws: Workspace, t0: float, outcome: str, why: str) -> str:
+    """Log a tick that did not run, `skipped` (the workspace busy) or `refused` (the daily
+    budget spent): ticks.jsonl, terminal, Prefect log at WARNING so the UI shows it at the
+    CLI's quiet level; returns the line."""
+    _log_tick(ws, {"start": t0, "end": time.time(), "outcome": outcome, "why": why})
+    line = f"tick: {outcome} ({why})"
     print(line, flush=True)
     with contextlib.suppress(Exception):      # outside a flow run (the CLI's pre-check)
         get_run_logger().warning(line)
@@ -168,7 +159,7 @@ def skip_if_busy(ws: Workspace, overlap: Overlap) -> bool:
         with workspace_lock(ws, "skip"):
             return False
     except Busy as e:
-        _skipped(ws, time.time(), str(e))
+        _not_run(ws, time.time(), "skipped", str(e))
         return True
 
 
@@ -229,11 +220,11 @@ def tick(workspace: str, overlap: Overlap = "wait", max_runs_per_day: int = 0
         with workspace_lock(ws, overlap):
             why = over_daily_budget(ws, max_runs_per_day, time.time())
             if why is not None:
-                return Completed(name="Refused", message=_refused(ws, t0, why),
+                return Completed(name="Refused", message=_not_run(ws, t0, "refused", why),
                                  data={"outcome": "refused"})
             return _next_iteration(ws, time.time() - t0)
     except Busy as e:
-        return Completed(name="Skipped", message=_skipped(ws, t0, str(e)),
+        return Completed(name="Skipped", message=_not_run(ws, t0, "skipped", str(e)),
                          data={"outcome": "skipped"})
 
 
