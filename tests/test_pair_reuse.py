@@ -161,6 +161,47 @@ def test_origin_of_a_pool_pair() -> None:
         pair_reuse.origin_of(_pair({"iteration": "x"}), "pool.jsonl:4")
 
 
+def test_a_book_pair_reports_under_its_source_workspace_iteration() -> None:
+    book = {"iteration": 0, "book": {"workspace": "/w/a", "iteration": 3}}
+    assert pair_reuse.origin_label(_pair(book), 0) == "book_iter_3"
+    assert pair_reuse.origin_label(_pair({"iteration": 2}), 2) == 2
+    assert pair_reuse.origin_label(_pair({"book": {"iteration": True}}), 0) == 0   # not an int
+    w, raw = t(2.0, 1.0, 0.5), t(3.0, 1.0, 0.5)
+    m = weight_metrics(w, raw, ["book_iter_3", "book_iter_3", 1], 0.0, 2.0, "x")
+    # book iteration 3: (2 + 1)^2 / (4 + 1) = 1.8, half truncated; iteration 1: one pair
+    assert m["x/book_iter_3/ess"] == pytest.approx(1.8, abs=TOL)
+    assert m["x/book_iter_3/truncated_frac"] == 0.5
+    assert m["x/iter_1/n"] == 1.0 and m["x_n"] == 3.0
+
+
+def test_an_offline_iteration_draws_its_pairs_by_the_seed_or_takes_all() -> None:
+    def draw(n: int, seed: int = 0) -> list[int]:
+        return pair_reuse.offline_indices(10, n, torch.Generator().manual_seed(seed))
+    assert draw(0) == list(range(10)) and draw(10) == draw(25) == list(range(10))
+    picked = draw(4)
+    assert len(set(picked)) == 4 and picked == sorted(picked) and set(picked) <= set(range(10))
+    assert draw(4) == picked                                   # the same seed, the same pairs
+    assert any(draw(4, s) != picked for s in range(1, 6))      # not a fixed prefix
+
+
+OFFLINE = 'iterations:\n  "1": {prev: 0}\n  "2": {prev: 1}\nrollout:\n  offline: [1]\n'
+
+
+def test_offline_iterations_are_checked_against_the_iterations_and_the_algorithm() -> None:
+    from tasks.config import conditions
+    from tasks.core.errors import InputError
+    p = parse_params(OFFLINE)
+    assert p.rollout.offline == (1,) and p.update.dpo.offline_pairs == 0
+    assert conditions.holds("update_reads_pair_pool", p)      # offpolicy_mix is 0
+    with pytest.raises(InputError, match=r"rollout\.offline.*3 is not an iteration"):
+        parse_params(OFFLINE.replace("[1]", "[3]"))
+    with pytest.raises(InputError, match=r"rollout\.offline.*only DPO reads; update\.algo is "
+                                         r"ppo"):
+        parse_params(OFFLINE + "update:\n  algo: ppo\n")
+    with pytest.raises(InputError, match=r"offline_pairs.*must be >= 0"):
+        parse_params(OFFLINE + "update:\n  dpo:\n    offline_pairs: -1\n")
+
+
 # --- sampler log-probs in pair records --------------------------------------------------------
 
 REC = {"prompt": "q", "chosen": "a", "rejected": "b", "chosen_ids": [5, 1],

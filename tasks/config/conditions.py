@@ -30,8 +30,9 @@ CONDITIONS: dict[str, Callable[[Any], bool]] = {
     "update_reads_judge_pairs": lambda p: _dpo_by(p, "judge"),
     # update@k: the rollouts and the reward model (PPO; DPO with pair_source rm)
     "update_reads_reward_model": lambda p: p.update.algo == "ppo" or _dpo_by(p, "rm"),
-    # update@k: the previous pair pool (DPO with offpolicy_mix > 0)
-    "update_reads_pair_pool": lambda p: p.update.algo == "dpo" and p.update.dpo.offpolicy_mix > 0,
+    # update@k: the previous pair pool (DPO with offpolicy_mix > 0, or offline iterations)
+    "update_reads_pair_pool": lambda p: p.update.algo == "dpo" and (
+        p.update.dpo.offpolicy_mix > 0 or bool(p.rollout.offline)),
     # update@k: iteration 0's model as the reference
     "update_reads_initial_policy": lambda p: (p.update.reference == "initial"   # the reference,
                                               or p.update.kl_budget.total > 0    # the budget's,

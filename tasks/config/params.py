@@ -110,9 +110,9 @@ class _Builder:
                 self.fail(path, "expected a non-empty mapping")
             item_tp = typing.get_args(tp)[1]
             return {str(k): self.build(item_tp, v, path + (str(k),)) for k, v in value.items()}
-        if origin is tuple:
-            if not isinstance(value, list) or not value:
-                self.fail(path, "expected a non-empty list")
+        if origin is tuple:             # empty: what the field says it means (no grid, ...)
+            if not isinstance(value, list):
+                self.fail(path, "expected a list")
             item_tp = typing.get_args(tp)[0]
             return tuple(self.build(item_tp, v, path + (str(i),)) for i, v in enumerate(value))
         if tp is bool:
@@ -341,6 +341,16 @@ def _check_dpo_and_rm(p: Params, b: _Builder) -> None:
     if d.max_staleness < 0:
         b.fail(("update", "dpo", "max_staleness"), f"must be >= 0 (0 = keep all), got "
                f"{d.max_staleness}")
+    if d.offline_pairs < 0:
+        b.fail(("update", "dpo", "offline_pairs"), f"must be >= 0 (0 = all), got "
+               f"{d.offline_pairs}")
+    for it in p.rollout.offline:
+        if str(it) not in p.iterations:
+            b.fail(("rollout", "offline"), f"{it} is not an iteration (iterations: "
+                   f"{', '.join(p.iterations) or 'none'})")
+    if p.rollout.offline and p.update.algo != "dpo":
+        b.fail(("rollout", "offline"), f"offline iterations train on the pair pool, which only "
+               f"DPO reads; update.algo is {p.update.algo}")
     if rm.margin < 0:
         b.fail(("train_rm", "margin"), "must be >= 0")
     if rm.ensemble < 1:
@@ -388,6 +398,8 @@ def _check_lora(p: Params, b: _Builder) -> None:
     if not 0.0 <= lo.dropout < 1.0:
         b.fail(path + ("dropout",), f"must be in [0, 1), got {lo.dropout}")
     names = list(lo.target_modules)
+    if not names:
+        b.fail(path + ("target_modules",), "expected a non-empty list")
     if not all(names) or len(set(names)) != len(names):
         b.fail(path + ("target_modules",), f"must be distinct, non-empty module names, got {names}")
     if lo.r > 0 and p.update.processes > 1:

@@ -94,15 +94,17 @@ def pair_is_weights(log_ratio_chosen: Tensor, log_ratio_rejected: Tensor, hi: fl
     return torch.clamp(raw, max=hi), raw                             # w~ = min(c, w)
 
 
-def weight_metrics(weights: Tensor, raw: Tensor, origins: Sequence[int], lo: float, hi: float,
-                   prefix: str) -> dict[str, float]:
+def weight_metrics(weights: Tensor, raw: Tensor, origins: Sequence[int | str], lo: float,
+                   hi: float, prefix: str) -> dict[str, float]:
     """ESS, ESS / n, the fraction truncated (raw outside [lo, hi]) and the mean weight of
     reused units (responses, pairs or tokens; weights and raw (n,)), over all of them
-    (`{prefix}_ess`, ...) and per iteration of origin (`{prefix}/iter_{i}/ess`, ...)."""
+    (`{prefix}_ess`, ...) and per iteration of origin (`{prefix}/iter_{i}/ess`, ...; an origin
+    given as a name, e.g. `book_iter_3` for a pair of another workspace's iteration 3:
+    `{prefix}/book_iter_3/ess`)."""
     out: dict[str, float] = {}
     groups: dict[str, list[int]] = {"": list(range(len(origins)))}
     for j, i in enumerate(origins):
-        groups.setdefault(f"/iter_{i}/", []).append(j)
+        groups.setdefault(f"/{i}/" if isinstance(i, str) else f"/iter_{i}/", []).append(j)
     for key, idx in groups.items():
         at = torch.tensor(idx, dtype=torch.long)
         w, r = weights.flatten().cpu()[at], raw.flatten().cpu()[at]

@@ -40,9 +40,26 @@ def origin_of(pair: PreferencePair, where: str) -> int:
     return origin
 
 
+def origin_label(pair: PreferencePair, origin: int) -> int | str:
+    """The group a reused pair's weight is reported under: its iteration of origin, or for a
+    pair of another workspace's book (`alignloop import --from-workspace`: meta.book) the
+    iteration that drew it there, `book_iter_<k>`."""
+    book = pair.meta.get("book")
+    k = book.get("iteration") if isinstance(book, dict) else None
+    return f"book_iter_{k}" if isinstance(k, int) and not isinstance(k, bool) else origin
+
+
 def fresh(ages: Sequence[int], max_staleness: int) -> list[bool]:
     """Which pairs may be reused: at most max_staleness versions old (0 = no bound)."""
     return [max_staleness == 0 or a <= max_staleness for a in ages]
+
+
+def offline_indices(pool_size: int, n: int, rng: torch.Generator) -> list[int]:
+    """The pool pairs an offline iteration trains on: n of them drawn without replacement by
+    the seed (n = 0 or n >= the pool: all), in pool order."""
+    if n <= 0 or n >= pool_size:
+        return list(range(pool_size))
+    return sorted(torch.randperm(pool_size, generator=rng)[:n].tolist())  # cpu: its generator
 
 
 def behaviour_logprobs(pair: PreferencePair, enc: EncodedPair
@@ -83,12 +100,12 @@ def start_log_ratios(policy: torch.nn.Module, encoded: Sequence[EncodedPair],
 
 
 def pair_weights(log_ratio_c: Tensor, log_ratio_r: Tensor, has_behaviour: Sequence[bool],
-                 origins: Sequence[int], ages: Sequence[int], d: DPOParams
+                 origins: Sequence[int | str], ages: Sequence[int], d: DPOParams
                  ) -> tuple[Tensor, dict[str, float]]:
     """Loss weights (N,) of the reused pairs and their `update/offpolicy_*` metrics.
 
     log_ratio_c, log_ratio_r: (N,) per-token mean log pi/mu (read where has_behaviour);
-    origins, ages: each pair's iteration of origin and staleness. ESS, ESS / n and the
+    origins, ages: each pair's origin (`origin_label`) and staleness. ESS, ESS / n and the
     truncated fraction are over the importance-weighted pairs, in all and per origin.
     """
     n = len(origins)

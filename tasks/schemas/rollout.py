@@ -13,3 +13,6 @@ class RolloutParams:
                                     #   its lowest)
     generation: GenerationParams = field(default_factory=GenerationParams)
     workers: int = 1                # Ray workers sampling shards of the batches (1 = no Ray)
+    offline: tuple[int, ...] = ()   # iterations that sample nothing: judge@k adds no pairs,
+                                    #   train_rm@k and update@k (DPO) train on the pool they
+                                    #   inherit (the mistake book: update.dpo.offline_pairs)

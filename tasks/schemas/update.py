@@ -30,6 +30,8 @@ class DPOParams:
     is_truncate: float = 2.0        # is only: the truncation c of the importance weights, >= 1
     max_staleness: int = 0          # drop pool pairs drawn more than this many policy versions
                                     #   before the policy the update starts from (0 = keep all)
+    offline_pairs: int = 0          # an offline iteration (rollout.offline): pool pairs it trains
+                                    #   on, drawn by the seed from the fresh ones (0 = all)
     precision: Literal["auto", "fp32", "bf16"] = "fp32"  # auto | fp32 | bf16 (autocast matmuls of
                                     #   the policy and reference passes); auto: bf16 only where the
                                     #   CPU runs bf16 matmuls natively

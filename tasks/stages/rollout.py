@@ -3,7 +3,8 @@
 Each rollout keeps what off-policy reuse needs later: prompt and response token ids, the
 sampler's per-token log-probs, whether it ended with EOS or was truncated, the sampling
 settings, and the version (weights md5) and iteration of the policy that produced it
-(tasks/models/generation.py).
+(tasks/models/generation.py). An offline iteration (`rollout.offline`) samples nothing: its
+rollouts file is empty, so judge@k adds no pairs and update@k trains on the pool alone.
 """
 from __future__ import annotations
 
@@ -40,6 +41,12 @@ def rollout_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     args = stage.parse(argv, __doc__ or "", CONTRACT)
     p, it = args.params, args.it
+    if it in p.rollout.offline:
+        jsonl.write(args.root / layout.rollouts(it), [])
+        stage.write_metrics(args.root, layout.metrics(it, "rollout"),
+                            {**rollout_metrics([]), "rollout/offline": 1.0})
+        stage.say(f"rollout@{it}: offline (rollout.offline), no samples")
+        return
     policy_dir = args.root / layout.policy(args.prev)
     conditions.check(CONTRACT, p, args.root,  # a LoRA policy's base is a declared dep
                      {"policy_is_adapter": adapters.is_adapter_dir(policy_dir)})

@@ -4,7 +4,9 @@
   the current policy (online/iterative DPO), ranked by the judge or by this iteration's reward
   model, optionally mixed with off-policy pairs from the previous pool (fresh enough, weighted
   by a fixed weight or a truncated importance ratio: tasks/policy/pair_reuse.py); against the
-  reference.
+  reference. An offline iteration (`rollout.offline`) has no samples of its own and trains on
+  the previous pool alone (`update.dpo.offline_pairs` of its fresh pairs, weighted the same
+  way): a new base re-aligned from the mistake book.
 - `ppo`: clipped PPO with a value head (GAE, value clipping, early stop on approx KL) on this
   iteration's rollouts (optionally also those of up to N earlier policy versions, kept in the
   previous policy directory's replay file and reweighted by truncated importance ratios),
@@ -34,6 +36,7 @@ from transformers import PreTrainedTokenizerBase as Tokenizer
 from tasks.config import conditions
 from tasks.config.params import Params, lineage, sampler_of
 from tasks.core import atomic, jsonl, layout
+from tasks.core.jsonl import DataError
 from tasks.data.records import Rollout, parse_pair, parse_rollout
 from tasks.functional import offpolicy
 from tasks.models import adapters, lm, mlflow_model, model_card
@@ -51,6 +54,7 @@ CONTRACT = stage.Contract(
     "update",
     params=("device", "seed", "model.max_prompt_tokens", "update",
             "offpolicy.source",       # update.dpo.offpolicy_mix: auto resolves by it
+            "rollout.offline",        # an offline iteration trains on the pool alone
             "evaluate.generation"),   # the KL budget samples as the evaluation does
     deps=lambda it, prev: (layout.pairs(it), layout.rollouts(it), layout.pairs_pool(prev),
                            layout.reward_model(it), layout.policy(0), layout.policy(prev)),
@@ -120,7 +124,10 @@ def run_dpo(models: Models, tok: Tokenizer, p: Params, root: Path, it: int, rng:
     mpt, max_len = p.model.max_prompt_tokens, p.update.max_length
     encode = lambda ps: encode_pairs(tok, ps, mpt, max_len)
     metrics: dict[str, float] = {}
-    if conditions.holds("update_reads_reward_model", p):   # best vs worst of K by this RM
+    offline = it in p.rollout.offline
+    if offline:                     # no samples of its own: the pool alone
+        onpolicy: list[EncodedPair] = []
+    elif conditions.holds("update_reads_reward_model", p):   # best vs worst of K by this RM
         path = str(root / layout.rollouts(it))
         rollouts = [parse_rollout(rec, path, n) for n, rec in jsonl.read(path)]
         rm = load_reward_model(root / layout.reward_model(it), device_of(policy))
@@ -130,11 +137,16 @@ def run_dpo(models: Models, tok: Tokenizer, p: Params, root: Path, it: int, rng:
         onpolicy = encode([parse_pair(rec, path, n, f"iter_{it}") for n, rec in jsonl.read(path)])
     offpolicy, off_weights = [], torch.zeros(0)
     if conditions.holds("update_reads_pair_pool", p):   # a share of the previous pool
-        offpolicy, off_weights, reuse = reused_pairs(models, tok, p, root, it, len(onpolicy))
+        offpolicy, off_weights, reuse = reused_pairs(models, tok, p, root, it, len(onpolicy),
+                                                     offline)
         metrics.update(reuse)
+    if offline and not offpolicy:
+        raise DataError(f"{root / layout.pairs_pool(stage.prev_of(p, it))}: no pairs fresh "
+                        f"enough to train offline iteration {it} on (update.dpo.max_staleness "
+                        f"{d.max_staleness}); bring a book with `alignloop import`")
     weights = torch.cat([torch.ones(len(onpolicy)), off_weights.float()]).to(device_of(policy))
     curve: list[dict[str, float]] = []
-    guard = kl_guard(models, tok, p, [x.prompt_ids for x in onpolicy],
+    guard = kl_guard(models, tok, p, [x.prompt_ids for x in onpolicy or offpolicy],
                      stage.generator(p.seed, 10, it))
     metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, p=d, pad_id=pad, rng=rng,
                              weights=weights, group=group, curve=curve, guard=guard))
@@ -142,15 +154,17 @@ def run_dpo(models: Models, tok: Tokenizer, p: Params, root: Path, it: int, rng:
     metrics.update({"update/bf16": float(bf16),
                     "update/n_onpolicy_pairs": float(len(onpolicy)),
                     "update/n_offpolicy_pairs": float(len(offpolicy)),
+                    "update/offline": float(offline),
                     "update/offpolicy_weight": d.offpolicy_weight})
     return UpdateResult(metrics, curve=tuple(curve))
 
 
 def reused_pairs(models: Models, tok: Tokenizer, p: Params, root: Path, it: int,
-                 n_onpolicy: int) -> tuple[list[EncodedPair], torch.Tensor, dict[str, float]]:
+                 n_onpolicy: int, offline: bool = False
+                 ) -> tuple[list[EncodedPair], torch.Tensor, dict[str, float]]:
     """The previous pool's pairs DPO reuses, encoded, their loss weights (N,) and metrics:
-    the pool less the pairs older than `max_staleness`, `offpolicy_mix` of it drawn, weighted
-    (tasks/policy/pair_reuse.py)."""
+    the pool less the pairs older than `max_staleness`, `offpolicy_mix` of it drawn (offline:
+    `offline_pairs` of it, 0 = all), weighted (tasks/policy/pair_reuse.py)."""
     d = p.update.dpo
     pool_path = str(root / layout.pairs_pool(stage.prev_of(p, it)))
     pool, origins = [], []
@@ -161,8 +175,10 @@ def reused_pairs(models: Models, tok: Tokenizer, p: Params, root: Path, it: int,
     age = staleness_of(p, it)
     ages = [age(o) for o in origins]
     keep = [i for i, ok in enumerate(pair_reuse.fresh(ages, d.max_staleness)) if ok]
-    pick = [keep[i] for i in offpolicy_indices(n_onpolicy, len(keep), d.offpolicy_mix,
-                                               stage.generator(p.seed, 7, it))]
+    rng = stage.generator(p.seed, 7, it)
+    pick = [keep[i] for i in (pair_reuse.offline_indices(len(keep), d.offline_pairs, rng)
+                              if offline else
+                              offpolicy_indices(n_onpolicy, len(keep), d.offpolicy_mix, rng))]
     picked = [pool[i] for i in pick]
     encoded = encode_pairs(tok, picked, p.model.max_prompt_tokens, p.update.max_length)
     behaviour = [pair_reuse.behaviour_logprobs(x, e) for x, e in zip(picked, encoded)]
@@ -175,7 +191,8 @@ def reused_pairs(models: Models, tok: Tokenizer, p: Params, root: Path, it: int,
                                            tok.pad_token_id, d.batch_size, d.precision)
         lr_c, lr_r = lr_c.clone(), lr_r.clone()
         lr_c[at], lr_r[at] = c.cpu(), r.cpu()
-    weights, metrics = pair_reuse.pair_weights(lr_c, lr_r, has, [origins[i] for i in pick],
+    weights, metrics = pair_reuse.pair_weights(lr_c, lr_r, has, [pair_reuse.origin_label(
+                                                   pool[i], origins[i]) for i in pick],
                                                [ages[i] for i in pick], d)
     metrics["update/offpolicy_dropped_stale"] = float(len(pool) - len(keep))
     return encoded, weights, metrics
