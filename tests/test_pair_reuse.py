@@ -174,14 +174,21 @@ def test_a_book_pair_reports_under_its_source_workspace_iteration() -> None:
     assert m["x/iter_1/n"] == 1.0 and m["x_n"] == 3.0
 
 
-def test_an_offline_iteration_draws_its_pairs_by_the_seed_or_takes_all() -> None:
+def test_an_offline_iteration_takes_the_loops_dpo_pairs_first_then_draws_by_the_seed() -> None:
+    dpo = [True, False, False, True, False, True, False, False, False, False]   # 0, 3, 5
+
     def draw(n: int, seed: int = 0) -> list[int]:
-        return pair_reuse.offline_indices(10, n, torch.Generator().manual_seed(seed))
+        return pair_reuse.offline_indices(dpo, n, torch.Generator().manual_seed(seed))
     assert draw(0) == list(range(10)) and draw(10) == draw(25) == list(range(10))
-    picked = draw(4)
-    assert len(set(picked)) == 4 and picked == sorted(picked) and set(picked) <= set(range(10))
-    assert draw(4) == picked                                   # the same seed, the same pairs
-    assert any(draw(4, s) != picked for s in range(1, 6))      # not a fixed prefix
+    five = draw(5)                                   # the three DPO pairs and two others
+    assert {0, 3, 5} <= set(five) and len(set(five)) == 5 and five == sorted(five)
+    assert draw(5) == five                           # the same seed, the same pairs
+    assert any(draw(5, s) != five for s in range(1, 6))
+    two = draw(2)                                    # fewer than the DPO pairs: two of them
+    assert len(two) == 2 and set(two) <= {0, 3, 5}
+    assert pair_reuse.is_dpo_pair(_pair({"pair_rank": 0}))
+    assert not pair_reuse.is_dpo_pair(_pair({"pair_rank": -1}))
+    assert not pair_reuse.is_dpo_pair(_pair({}))                    # imported: no rank
 
 
 OFFLINE = 'iterations:\n  "1": {prev: 0}\n  "2": {prev: 1}\nrollout:\n  offline: [1]\n'

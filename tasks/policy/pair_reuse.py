@@ -54,12 +54,24 @@ def fresh(ages: Sequence[int], max_staleness: int) -> list[bool]:
     return [max_staleness == 0 or a <= max_staleness for a in ages]
 
 
-def offline_indices(pool_size: int, n: int, rng: torch.Generator) -> list[int]:
-    """The pool pairs an offline iteration trains on: n of them drawn without replacement by
-    the seed (n = 0 or n >= the pool: all), in pool order."""
-    if n <= 0 or n >= pool_size:
-        return list(range(pool_size))
-    return sorted(torch.randperm(pool_size, generator=rng)[:n].tolist())  # cpu: its generator
+def offline_indices(dpo_pair: Sequence[bool], n: int, rng: torch.Generator) -> list[int]:
+    """The pool pairs an offline iteration trains on, in pool order: n of them (0 = all), the
+    pairs the loop's own DPO trained on first (`dpo_pair`: a prompt's best against its worst,
+    `meta.pair_rank` >= 0, the widest), then others drawn without replacement by the seed."""
+    every = list(range(len(dpo_pair)))
+    if n <= 0 or n >= len(every):
+        return every
+    first = [i for i in every if dpo_pair[i]]
+    rest = [i for i in every if not dpo_pair[i]]
+    draw = lambda xs, k: [xs[j] for j in torch.randperm(len(xs), generator=rng)[:k].tolist()]
+    return sorted(draw(first, n) if n <= len(first) else first + draw(rest, n - len(first)))
+
+
+def is_dpo_pair(pair: PreferencePair) -> bool:
+    """Whether the judge made this pool pair for DPO (a prompt's rank-th best against its
+    rank-th worst, `meta.pair_rank` >= 0) rather than only for the reward model (-1)."""
+    rank = pair.meta.get("pair_rank")
+    return isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0
 
 
 def behaviour_logprobs(pair: PreferencePair, enc: EncodedPair

@@ -31,7 +31,8 @@ class DPOParams:
     max_staleness: int = 0          # drop pool pairs drawn more than this many policy versions
                                     #   before the policy the update starts from (0 = keep all)
     offline_pairs: int = 0          # an offline iteration (rollout.offline): pool pairs it trains
-                                    #   on, drawn by the seed from the fresh ones (0 = all)
+                                    #   on (0 = all fresh ones): the pairs the loop's DPO trained
+                                    #   on first (meta.pair_rank >= 0), then others by the seed
     precision: Literal["auto", "fp32", "bf16"] = "fp32"  # auto | fp32 | bf16 (autocast matmuls of
                                     #   the policy and reference passes); auto: bf16 only where the
                                     #   CPU runs bf16 matmuls natively

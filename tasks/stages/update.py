@@ -176,7 +176,9 @@ def reused_pairs(models: Models, tok: Tokenizer, p: Params, root: Path, it: int,
     ages = [age(o) for o in origins]
     keep = [i for i, ok in enumerate(pair_reuse.fresh(ages, d.max_staleness)) if ok]
     rng = stage.generator(p.seed, 7, it)
-    pick = [keep[i] for i in (pair_reuse.offline_indices(len(keep), d.offline_pairs, rng)
+    pick = [keep[i] for i in (pair_reuse.offline_indices(
+                                  [pair_reuse.is_dpo_pair(pool[k]) for k in keep],
+                                  d.offline_pairs, rng)
                               if offline else
                               offpolicy_indices(n_onpolicy, len(keep), d.offpolicy_mix, rng))]
     picked = [pool[i] for i in pick]
