@@ -257,3 +257,25 @@ def test_rm_depth_reports_every_depth_and_picks_as_train_rm_would(tiny_run) -> N
     loss = {int(d): r["cv_loss"] for d, r in out["depths"].items()}
     assert abs(loss[ours] - chosen["depth_cv_loss"]) <= 1e-4, (loss, chosen)
     assert out["cv_pick"] == ours or abs(loss[out["cv_pick"]] - loss[ours]) <= 1e-4, loss
+
+
+def test_book_benchmark_counts_loop_minutes_and_checks_its_targets(tmp_path) -> None:
+    from benchmarks import book
+    seconds = {"prompts": 1.0, "reference_samples": 60.0, "rollout@1": 20.0, "update@1": 70.0,
+               "evaluate@1": 80.0, "rollout@2": 22.0, "gate@2": 1.0, "report": 2.0}
+    assert book.loop_seconds(seconds, (1,)) == 170.0            # the set-up left out
+    assert book.loop_seconds(seconds, (1, 2)) == 193.0
+    (tmp_path / "metrics" / "iter_1").mkdir(parents=True)
+    (tmp_path / "metrics" / "iter_1" / "update.json").write_text(json.dumps({
+        "update/offpolicy/book_iter_2/n": 48.0, "update/offpolicy/book_iter_2/ess_frac": 0.9,
+        "update/offpolicy/book_iter_0/n": 32.0, "update/offpolicy/iter_0/n": 5.0,
+        "update/offpolicy_ess": 70.0}))
+    assert book.book_weights(tmp_path, 1) == {"book_iter_0": {"n": 32.0},
+                                              "book_iter_2": {"n": 48.0, "ess_frac": 0.9}}
+    a = {"gold": 0.85, "gold_lo": 0.80, "minutes": 10.0}
+    met = book.targets(a, {"gold": 0.81, "gold_lo": 0.75, "minutes": 4.0},
+                       {"gold": 0.85, "gold_lo": 0.8, "minutes": 9.9})
+    assert [ok for _, ok in met] == [True] * 5
+    missed = book.targets(a, {"gold": 0.79, "gold_lo": 0.70, "minutes": 4.1},
+                          {"gold": 0.84, "gold_lo": 0.8, "minutes": 10.0})
+    assert [ok for _, ok in missed] == [False] * 5

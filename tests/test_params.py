@@ -232,6 +232,19 @@ def test_safety_profile_differs_from_default_only_in_its_imported_pairs() -> Non
         "source": "import", "import_path": "data/import/pairs.jsonl"}}
 
 
+def test_book_profile_differs_from_default_only_in_how_it_reuses_the_book() -> None:
+    """default-book: the default loop on an imported book, its first iteration offline."""
+    base = to_dict(load_params(PARAMS_DIR / "default.yaml"))
+    book = to_dict(load_params(PARAMS_DIR / "default-book.yaml"))
+    assert book["rollout"]["offline"] == [1] and book["offpolicy"]["source"] == "import"
+    dpo = {k for k in base["update"]["dpo"] if base["update"]["dpo"][k] != book["update"]["dpo"][k]}
+    assert dpo == {"offline_pairs", "offpolicy_weighting", "offpolicy_mix"}
+    assert book["update"]["dpo"]["offpolicy_mix"] == 0.5              # auto, with an import
+    own = yaml.safe_load((PARAMS_DIR / "default-book.yaml").read_text())
+    assert set(own) == {"base", "offpolicy", "rollout", "update"} and own["base"] == "default.yaml"
+    assert own["rollout"] == {"offline": [1]} and set(own["update"]) == {"dpo"}
+
+
 WORKERS = {("rollout", "workers"), ("judge", "workers"), ("evaluate", "workers"),
            ("update", "processes"), ("train_rm", "processes")}
 
