@@ -186,7 +186,12 @@ def build(root: Path, other: str | Path, rev: str) -> tuple[pair_book.Book, dict
     if src.root == root.resolve():
         raise InputError(f"{root}: a workspace's own pools are in its pool already; "
                          "--from-workspace names another workspace")
-    kept = [s for s in stores(src.root) if s.base is not None]
+    try:
+        kept = [s for s in stores(src.root) if s.base is not None]
+    except Exception as e:  # noqa: BLE001 (DVC raises several types for a broken repo)
+        raise InputError(f"{src.root}: its DVC cache and remote cannot be opened "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                         ) from None
     pools = read_pools(src, kept)
     labels, labels_md5 = read_labels(src)
     tokens, tokenizer, why = same_tokenizer(root, src, kept)

@@ -122,6 +122,29 @@ def test_read_pairs_keeps_tokens_only_for_a_book_row_of_this_tokenizer(tmp_path)
     assert [p.sampled for p in read_pairs(path).pairs] == [{}, {}]
 
 
+def test_collect_offpolicy_checks_the_book_rows_tokenizer_against_its_own_model(tmp_path):
+    from tasks.stages.collect_offpolicy import import_pairs
+    (tmp_path / layout.policy(0)).mkdir(parents=True)
+    (tmp_path / layout.policy(0) / "tokenizer.json").write_bytes(TOKENIZER)
+    ours = pair_book.tokenizer_md5_of_dir(tmp_path / layout.policy(0))
+    rows = [pair_book.retag(pair(n, "iter_1", 1), pools()[1], ORIGIN, True, tok)
+            for n, tok in ((1, ours), (2, "another tokenizer"))]
+    path = tmp_path / layout.IMPORT_PAIRS
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(p.to_record()) + "\n" for p in rows))
+    got = import_pairs(path, tmp_path)
+    assert [bool(p.sampled) for p in got] == [True, False]
+    assert got[0].tokens(got[0].rejected) == Sampled((7, 1), False, (-2.0, -0.125))
+
+
+def test_the_reward_models_window_keeps_book_pairs_as_off_policy():
+    from tasks.stages.train_rm import window
+    book = pair_book.retag(pair(9, "iter_3", 3), pools()[0], ORIGIN, False, None)
+    pool = [book, pair(1, "iter_1", 1), pair(2, "iter_2", 2)]
+    kept, m = window(pool, {}, 1)
+    assert [x.source for x in kept] == ["book", "iter_2"] and m["rm/window_oldest"] == 2
+
+
 # ---- a small workspace A made by hand: pools in its DVC cache, dvc.lock, labels, params ----
 
 def _store(base: Path, data: bytes, suffix: str = "") -> str:
