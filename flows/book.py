@@ -205,8 +205,10 @@ def build(root: Path, other: str | Path, rev: str) -> tuple[pair_book.Book, dict
 
 
 def write(root: Path, book: pair_book.Book, info: dict[str, Any]) -> Path:
-    """The pairs and their manifest, each replaced atomically (call under the workspace lock)."""
+    """The pairs and their manifest, each replaced atomically (call under the workspace lock);
+    the old manifest goes first, so a write cut short never names pairs that are not there."""
     dest = root / layout.IMPORT_PAIRS
+    (root / layout.BOOK_MANIFEST).unlink(missing_ok=True)
     jsonl.write(dest, (p.to_record() for p in book.pairs))
     atomic.write_json(root / layout.BOOK_MANIFEST, info)
     return dest

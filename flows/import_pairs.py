@@ -75,8 +75,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     with wsmod.workspace_lock(ws, "wait"):     # not into a running iteration's inputs
         wsmod.init(root)
         dest = root / layout.IMPORT_PAIRS
-        jsonl.write(dest, (p.to_record() for p in total.pairs))
         (root / layout.BOOK_MANIFEST).unlink(missing_ok=True)   # these pairs are no book's
+        jsonl.write(dest, (p.to_record() for p in total.pairs))
     print(f"imported {len(total.pairs)} pairs into {dest}: {total.rows} rows, {total.prompts} "
           f"prompts, {total.duplicates} duplicates dropped, {len(total.identical)} with "
           "chosen == rejected refused")
