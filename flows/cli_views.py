@@ -139,16 +139,43 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     left_out = [k for k in artifacts if k in gone and not verify.present(readable, k[1])]
     problems = verify.verify(root, [v for k, v in artifacts.items() if k not in left_out], kept)
     problems += [p for b in bases for p in _base_problems(b, readable)]
+    books = [_book_problems(b, args.skip_remote) for b in lineage.iter_books(tree)]
+    problems += [p for _, found in books for p in found]
     for p in problems:
         print(f"verify: FAILED {p}", file=sys.stderr)
     checked = " and ".join(f"{s.name} ({s.where})" for s in kept if s.base is not None)
     skipped = "; the remote skipped (--skip-remote)" if args.skip_remote else ""
     gc_note = (f"; {len(left_out)} archived by `alignloop gc` (weights removed, recorded in "
                f"{archived.LEDGER}): {', '.join(p for p, _ in left_out)}") if left_out else ""
+    book_note = "".join(f"; {n} of the book's source {w} re-hashed from its stores"
+                        for w, n in ((b["workspace"], n) for b, (n, _) in
+                                     zip(lineage.iter_books(tree), books)))
     print(f"verify: {'FAILED' if problems else 'ok'}: {len(artifacts) - len(left_out)} "
-          f"artifacts re-hashed from the {checked}{skipped}"
+          f"artifacts re-hashed from the {checked}{skipped}{book_note}"
           f"{', ' + str(len(problems)) + ' problems' if problems else ''}{gc_note}")
     return 1 if problems else 0
+
+
+def _book_problems(book: dict, skip_remote: bool) -> tuple[int, list[str]]:
+    """The artifacts of an imported book, re-hashed from its source workspace's own stores:
+    (how many, problems). A source that is gone, or holds no dvc.lock at the book's commit, is
+    a problem naming it: nothing of it was re-hashed. Weights `alignloop gc` archived there
+    and no store holds are left out, as for this workspace's own."""
+    from flows import lineage, verify
+    other = Path(book["workspace"])
+    where = f"book source {other} (commit {book['commit'][:10]})"
+    if book.get("source_workspace"):
+        return 0, [f"{where}: workspace {book['source_workspace']}; its pools "
+                   f"{', '.join(p['path'] for p in book['pools'])} cannot be re-hashed"]
+    try:
+        kept = verify.stores(other, skip_remote)
+    except Exception as e:  # noqa: BLE001 (DVC raises several types for a broken repo)
+        return 0, [f"{where}: its DVC stores cannot be opened ({type(e).__name__}: {e})"]
+    readable = [s.base for s in kept if s.base is not None]
+    gone = archived.archived(other)
+    found = [(a, c) for a, c in lineage.book_artifacts(book)
+             if (a["path"], a["md5"]) not in gone or verify.present(readable, a["md5"])]
+    return len(found), [f"{where}: {p}" for p in verify.verify(other, found, kept)]
 
 
 def _base_problems(base: dict, readable: list[Path]) -> list[str]:
@@ -191,6 +218,19 @@ def _print_lineage(node: dict, indent: int = 0) -> None:
             print(f"{p}   input {i['path']} md5 {i['md5']} ({i.get('size')} bytes{rows})")
             if isinstance(i["produced_by"], dict) and "inputs" in i["produced_by"]:
                 stage(i["produced_by"], depth + 2)
+            if isinstance(i.get("book"), dict):
+                book(i["book"], depth + 2)
+
+    def book(b: dict, depth: int) -> None:
+        p = "  " * depth
+        gone = f" (source workspace {b['source_workspace']})" if b.get("source_workspace") else ""
+        print(f"{p}<- book of {b['workspace']} at commit {b['commit'][:10]}{gone}: "
+              f"{b['n_pairs']} pairs, tokens {'kept' if b['tokens_kept'] else 'dropped'}")
+        for pool in b["pools"]:
+            print(f"{p}   pool {pool['path']} md5 {pool['md5']} (iteration {pool['iteration']}, "
+                  f"{pool['rows']} rows)")
+            if isinstance(pool.get("produced_by"), dict) and "inputs" in pool["produced_by"]:
+                stage(pool["produced_by"], depth + 2)
     stage(node["produced_by"], indent + 1)
     if isinstance(node.get("parent_policy"), dict):
         print(f"{pad}  parent policy:")

@@ -1,5 +1,8 @@
 """`alignloop import FILE|DIR ... [--workspace W] [--split S]`: bring a user's preference pairs
 into a workspace, where `collect_offpolicy` (with `offpolicy.source: import`) reads them.
+`alignloop import --from-workspace OTHER [--rev REV]` brings another workspace's pair pools
+instead (flows/book.py), with the manifest data/import/book.json; files and --from-workspace
+are not taken together (one import replaces the other).
 
 Every row of every input is checked before anything is written (tasks/data/pair_import.py); bad rows
 are listed one per line (`file:line: field ...`, up to 20, then a count) and the command exits 2
@@ -26,8 +29,15 @@ def add_parser(sub: argparse._SubParsersAction, default_workspace: str) -> None:
     imp = sub.add_parser("import", help="validate preference pairs (any TRL format: JSONL, "
                                         "JSON, Parquet, a save_to_disk directory) and put them "
                                         "in the workspace's data/import/")
-    imp.add_argument("inputs", nargs="+", metavar="FILE|DIR",
-                     help="one or more inputs; their pairs are imported together")
+    imp.add_argument("inputs", nargs="*", metavar="FILE|DIR",
+                     help="one or more inputs; their pairs are imported together (none with "
+                          "--from-workspace)")
+    imp.add_argument("--from-workspace", metavar="OTHER", default=None,
+                     help="import every pair pool of another alignloop workspace (its "
+                          "\"mistake book\": all iterations, its audit verdicts applied) as "
+                          "off-policy pairs; refused together with FILE arguments")
+    imp.add_argument("--rev", default="HEAD", help="with --from-workspace: the commit, tag "
+                                                   "or branch of OTHER to read (default HEAD)")
     imp.add_argument("--workspace", default=default_workspace, help="workspace directory "
                                                                     "(created if needed)")
     imp.add_argument("--split", default="", help="DatasetDict split(s) to read, e.g. train or "
@@ -36,6 +46,15 @@ def add_parser(sub: argparse._SubParsersAction, default_workspace: str) -> None:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    if args.from_workspace is not None:
+        if args.inputs:
+            raise InputError(f"{' '.join(args.inputs)}: give files or --from-workspace, not "
+                             "both (each import replaces data/import/pairs.jsonl)")
+        return cmd_import_book(args)
+    if not args.inputs:
+        raise InputError("import: name FILE|DIR inputs, or --from-workspace OTHER")
+    if args.rev != "HEAD":
+        raise InputError(f"--rev {args.rev}: only with --from-workspace")
     results = [read_pairs(Path(p), args.split, label=p) for p in args.inputs]
     errors = [e for r in results for e in r.errors]
     if errors:
@@ -56,6 +75,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     with wsmod.workspace_lock(ws, "wait"):     # not into a running iteration's inputs
         wsmod.init(root)
         dest = root / layout.IMPORT_PAIRS
+        (root / layout.BOOK_MANIFEST).unlink(missing_ok=True)   # these pairs are no book's
         jsonl.write(dest, (p.to_record() for p in total.pairs))
     print(f"imported {len(total.pairs)} pairs into {dest}: {total.rows} rows, {total.prompts} "
           f"prompts, {total.duplicates} duplicates dropped, {len(total.identical)} with "
@@ -64,6 +84,23 @@ def cmd_import(args: argparse.Namespace) -> int:
         more = len(total.identical) - SHOWN_REFUSED
         print("  refused (chosen == rejected): " + ", ".join(total.identical[:SHOWN_REFUSED])
               + (f" and {more} more" if more > 0 else ""))
+    print(_next_step(root))
+    return 0
+
+
+def cmd_import_book(args: argparse.Namespace) -> int:
+    """Another workspace's pools into this one's data/import/ (flows/book.py)."""
+    from flows import book as bookmod
+    root = Path(args.workspace).resolve()
+    book, info, tokens = bookmod.build(root, args.from_workspace, args.rev)
+    root.mkdir(parents=True, exist_ok=True)
+    ws = wsmod.Workspace(root)
+    wsmod.secure_state(ws)
+    with wsmod.workspace_lock(ws, "wait"):     # not into a running iteration's inputs
+        wsmod.init(root)
+        dest = bookmod.write(root, book, info)
+    print(bookmod.summary(book, info, dest))
+    print(tokens)
     print(_next_step(root))
     return 0
 

@@ -5,6 +5,11 @@ model, judge, Prefect flow run, MLflow run) joined with `dvc.lock` *at that git 
 stage's deps and outs with md5, size, file count, and the params values it read), recursing
 through the stages that produced each input until the initial model and the first data.
 `verify` re-hashes every artifact in the tree from the DVC cache and the remote.
+
+Pairs imported from another workspace (`alignloop import --from-workspace`) cross the boundary:
+an input under data/import whose commit holds data/import/book.json gains a `book` node, the
+manifest with each source pool's artifact and the tree of the stage that produced it, read from
+the other workspace's dvc.lock at the book's commit (or `source_workspace: "not found"`).
 """
 from __future__ import annotations
 
@@ -82,8 +87,10 @@ def _artifact(root: Path, item: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def stage_tree(root: Path, lock: dict[str, Any], name: str, seen: set[str]) -> dict[str, Any]:
-    """A stage with its params, outs and inputs; each input names the stage that produced it."""
+def stage_tree(root: Path, lock: dict[str, Any], name: str, seen: set[str],
+               commit: str | None = None) -> dict[str, Any]:
+    """A stage with its params, outs and inputs; each input names the stage that produced it.
+    With the lock's `commit`, an input under data/import carries the book it came from."""
     entry = lock[name]
     producers = {o["path"]: s for s, e in lock.items() for o in e.get("outs", [])}
     node: dict[str, Any] = {
@@ -110,9 +117,43 @@ def stage_tree(root: Path, lock: dict[str, Any], name: str, seen: set[str]) -> d
         elif producer in seen:
             item["produced_by"] = {"stage": producer, "see": "above"}
         else:
-            item["produced_by"] = stage_tree(root, lock, producer, seen)
+            item["produced_by"] = stage_tree(root, lock, producer, seen, commit)
+        if commit and _imported(dep["path"]) and (book := book_node(root, commit)):
+            item["book"] = book
         node["inputs"].append(item)
     return node
+
+
+def _imported(path: str) -> bool:
+    return path == layout.IMPORT_DIR or path.startswith(layout.IMPORT_DIR + "/")
+
+
+def book_node(root: Path, commit: str) -> dict[str, Any] | None:
+    """The manifest of the book imported at `commit` (None: none), each pool with the other
+    workspace's artifact record and producing stage at the book's commit."""
+    from flows.workspace import git_bytes
+    text = git_bytes(root, "show", f"{commit}:{layout.BOOK_MANIFEST}")
+    if text is None:
+        return None
+    book = json.loads(text)
+    other, at = Path(book["workspace"]), book["commit"]
+    lock_text = git_bytes(other, "show", f"{at}:dvc.lock") if (other / ".git").exists() else None
+    if lock_text is None:
+        why = "not found" if not other.exists() else f"has no dvc.lock at commit {at[:10]}"
+        return {**book, "source_workspace": why}
+    lock = yaml.safe_load(lock_text)["stages"]
+    producers = {o["path"]: (s, o) for s, e in lock.items() for o in e.get("outs", [])}
+    seen: set[str] = set()
+    pools = []
+    for pool in book["pools"]:
+        stage, out = producers.get(pool["path"], (None, None))
+        if stage is None:
+            pools.append({**pool, "produced_by": f"no stage of {other} at {at[:10]} outputs it"})
+            continue
+        tree: Any = ({"stage": stage, "see": "above"} if stage in seen
+                     else stage_tree(other, lock, stage, seen, at))
+        pools.append({**pool, **_artifact(other, out), "produced_by": tree})
+    return {**book, "pools": pools}
 
 
 def model_lineage(root: Path, client: MlflowClient, mv: Any, depth: int = 0) -> dict[str, Any]:
@@ -130,7 +171,7 @@ def model_lineage(root: Path, client: MlflowClient, mv: Any, depth: int = 0) -> 
         "alias_history": {k: v for k, v in tags.items() if k.startswith("alias.")},
         "archived": tags.get(archived.TAG),
         "base": adapter_base(root, lock, tags.get("model_md5", "")),
-        "produced_by": stage_tree(root, lock, tags["dvc_stage"], set()),
+        "produced_by": stage_tree(root, lock, tags["dvc_stage"], set(), commit),
     }
     rm_version = tags.get("reward_model_version")
     if rm_version:
@@ -165,7 +206,8 @@ def adapter_base(root: Path, lock: dict[str, Any], model_md5: str) -> dict[str, 
 
 
 def iter_artifacts(node: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every out in the tree (each stage's outputs, recursively), once per (path, md5)."""
+    """Every out in the tree (each stage's outputs, recursively), once per (path, md5); not
+    those of a book's workspace (`iter_books`: each book is verified against its own)."""
     found: dict[tuple[str, str], dict[str, Any]] = {}
 
     def walk(n: Any) -> None:
@@ -173,6 +215,25 @@ def iter_artifacts(node: dict[str, Any]) -> list[dict[str, Any]]:
             if "stage" in n and "outs" in n:
                 for o in n["outs"]:
                     found[(o["path"], o["md5"])] = o
+            for k, v in n.items():
+                if k != "book":
+                    walk(v)
+        elif isinstance(n, list):
+            for v in n:
+                walk(v)
+    walk(node)
+    return list(found.values())
+
+
+def iter_books(node: Any) -> list[dict[str, Any]]:
+    """Every book node in the tree, books inside books included, once per (workspace, commit)."""
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def walk(n: Any) -> None:
+        if isinstance(n, dict):
+            if isinstance(n.get("book"), dict):
+                b = n["book"]
+                found.setdefault((b["workspace"], b["commit"]), b)
             for v in n.values():
                 walk(v)
         elif isinstance(n, list):
@@ -180,3 +241,15 @@ def iter_artifacts(node: dict[str, Any]) -> list[dict[str, Any]]:
                 walk(v)
     walk(node)
     return list(found.values())
+
+
+def book_artifacts(book: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """The artifacts of a book's source workspace to re-hash there, with the book's commit:
+    each pool, and every out upstream of it."""
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for pool in book["pools"]:
+        found[(pool["path"], pool["md5"])] = {"path": pool["path"], "md5": pool["md5"]}
+        if isinstance(pool.get("produced_by"), dict):
+            for a in iter_artifacts(pool["produced_by"]):
+                found.setdefault((a["path"], a["md5"]), a)
+    return [(a, book["commit"]) for a in found.values()]

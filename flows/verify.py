@@ -90,6 +90,11 @@ def _find(bases: list[Path], md5: str) -> Path | None:
     return next((object_path(b, md5) for b in bases if object_path(b, md5).is_file()), None)
 
 
+def stored(bases: list[Path], md5: str) -> Path | None:
+    """The first store's copy of an object (a directory: its manifest), or None."""
+    return _find(bases, md5)
+
+
 def present(bases: list[Path], md5: str) -> bool:
     """Whether any store holds the object (a directory: its manifest)."""
     return _find(bases, md5) is not None

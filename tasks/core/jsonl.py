@@ -20,21 +20,30 @@ def read(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     with path.open("rb") as f:
-        for n, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{n}: not valid UTF-8 (byte {e.start} of the "
-                                "line)") from None
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: invalid JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
-            yield n, rec
+        yield from _records(f, str(path))
+
+
+def read_bytes(data: bytes, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """`read` of bytes held in memory (e.g. a file at a git commit); errors name `name`."""
+    yield from _records(data.splitlines(keepends=True), name)
+
+
+def _records(lines: Iterable[bytes], name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    for n, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{name}:{n}: not valid UTF-8 (byte {e.start} of the "
+                            "line)") from None
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{name}:{n}: invalid JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(rec, dict):
+            raise DataError(f"{name}:{n}: expected a JSON object, got {type(rec).__name__}")
+        yield n, rec
 
 
 def write(path: str | Path, records: Iterable[dict[str, Any]]) -> int:

@@ -26,6 +26,7 @@ BEST_OF_N_SAMPLES = "data/reference/best_of_n_samples.jsonl"  # N more per promp
 IMPORT_DIR = "data/import"
 JUDGE_TEMPLATES = "params/judges"        # the pairwise judges' versioned prompts (llm, http)
 IMPORT_PAIRS = "data/import/pairs.jsonl"   # `alignloop import` writes it (offpolicy.import_path)
+BOOK_MANIFEST = "data/import/book.json"  # `import --from-workspace`: where the pairs came from
 OFFPOLICY_METRICS = "metrics/offpolicy.json"
 TARGETS = "metrics/targets.json"          # the last iteration against the profile's targets
 MODEL_META = "alignloop_model.json"      # written inside every saved model directory
@@ -58,6 +59,15 @@ def audit_queue(it: int) -> str:
 def pairs_pool(it: int) -> str:
     """Every pair the reward model of iteration `it` trains on (iteration 0: off-policy only)."""
     return f"data/iter_{it}/pairs_pool.jsonl"
+
+
+def pool_iteration(path: str) -> int | None:
+    """The iteration whose pair pool `path` is (`pairs_pool(k)` -> k), None for any other path."""
+    head, sep, tail = path.partition("/pairs_pool.jsonl")
+    k = head.removeprefix("data/iter_")
+    if not sep or tail or head == k or not k.isdigit() or pairs_pool(int(k)) != path:
+        return None
+    return int(k)
 
 
 def rollouts(it: int) -> str:

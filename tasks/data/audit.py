@@ -17,20 +17,20 @@ line with a `verdict` added is a valid label; its `reason` ("random" or "disagre
 kept, so the judge error rate can also be reported on the unbiased random sample alone.
 Every later `train_rm` applies the verdicts to its pool before training.
 
-A label's `source` ("iter_j", "cold_start", "import": the queue line carries it) names where its
-pair joined a pool. A pool holds every pair of each source it holds any of (pools only grow along
-the chain of `prev`), so a label whose source the pool holds but whose pair_id matches nothing
-is wrong (mistyped, or left from data that has since changed): an error naming the labels file
-and line. A label whose source the pool does not hold (a later iteration's pair, or one of a
-refused iteration that nothing builds on) is counted (rm/audit_n_unmatched). A label without
-`source` must match a pair: otherwise nothing tells a later pair from a mistyped id, and it is
-refused the same way. The stage that reads the labels refuses; nothing is written.
+A label's `source` ("iter_j", "cold_start", "import", "book": the queue line carries it) names
+where its pair joined a pool. A pool holds every pair of each source it holds any of (pools only
+grow along the chain of `prev`), so a label whose source the pool holds but whose pair_id
+matches nothing is wrong (mistyped, or left from data that has since changed): an error naming
+the labels file and line. A label whose source the pool does not hold (a later iteration's pair,
+or one of a refused iteration that nothing builds on) is counted (rm/audit_n_unmatched). A label
+without `source` must match a pair: otherwise nothing tells a later pair from a mistyped id, and
+it is refused the same way. The stage that reads the labels refuses; nothing is written.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -76,8 +76,9 @@ def parse_label(rec: dict[str, Any], where: str) -> AuditLabel:
 
 
 def source_iteration(source: str) -> int | None:
-    """The iteration a pair joined the pool at: "iter_j" -> j, the off-policy sources -> 0."""
-    if source in ("cold_start", "import"):
+    """The iteration a pair joined the pool at: "iter_j" -> j, the off-policy sources -> 0
+    (a "book" pair, carried from another workspace, joins at 0: tasks/data/pair_book.py)."""
+    if source in ("cold_start", "import", "book"):
         return 0
     if source.startswith("iter_") and source[5:].isdigit():
         return int(source[5:])
@@ -98,8 +99,8 @@ def check_unknown(pairs: Sequence[PreferencePair], labels: dict[str, AuditLabel]
                             "id: copy its line from the queue (audit/iter_k/queue.jsonl), which "
                             "carries it, or fix or remove it")
         if source_iteration(label.source) is None:
-            raise DataError(f"{where}: field 'source' must be iter_N, cold_start or import, "
-                            f"got {label.source!r}")
+            raise DataError(f"{where}: field 'source' must be iter_N, cold_start, import or "
+                            f"book, got {label.source!r}")
         if label.source in held:
             raise DataError(f"{where}: pair_id {pid} matches no pair of the pool, which holds "
                             f"every {label.source} pair (a mistyped id, or a label left from "
@@ -108,9 +109,16 @@ def check_unknown(pairs: Sequence[PreferencePair], labels: dict[str, AuditLabel]
 
 def parse_labels(path: str | Path) -> dict[str, AuditLabel]:
     """{pair_id: label}; a pair labelled twice is an error naming both lines."""
+    return labels_from(jsonl.read(path), str(path))
+
+
+def labels_from(records: Iterable[tuple[int, dict[str, Any]]], path: str
+                ) -> dict[str, AuditLabel]:
+    """`parse_labels` of (line, record) pairs read elsewhere (a labels file at a git commit);
+    errors name `path` and the line."""
     labels: dict[str, AuditLabel] = {}
     lines: dict[str, int] = {}
-    for n, rec in jsonl.read(path):
+    for n, rec in records:
         label = parse_label(rec, f"{path}:{n}")
         if label.pair_id in labels:
             raise DataError(f"{path}:{n}: pair_id {label.pair_id} already labelled at line "

@@ -17,8 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.jsonl import DataError
+from tasks.data.pair_book import keeps_tokens
 from tasks.data.pair_formats import IdenticalPair
-from tasks.data.records import SAMPLED_KEYS, PreferencePair, parse_pair, prompt_to_record
+from tasks.data.records import (
+    LOGPROB_KEYS,
+    SAMPLED_KEYS,
+    PreferencePair,
+    parse_pair,
+    prompt_to_record,
+)
 
 MAX_ERRORS = 20          # errors listed in full; the rest are counted
 
@@ -42,11 +49,14 @@ class ImportResult:
         return self.errors[:cap] + ([f"... and {more} more bad rows"] if more > 0 else [])
 
 
-def read_pairs(path: Path, splits: str = "", label: str | None = None) -> ImportResult:
+def read_pairs(path: Path, splits: str = "", label: str | None = None,
+               tokenizer: str | None = None) -> ImportResult:
     """Every row of `path` parsed; nothing raised for a bad row (see ImportResult.errors).
 
     A DataError is raised only when the input as a whole cannot be read (missing, not a known
-    format, a DatasetDict without a chosen split). `label` names the file in messages.
+    format, a DatasetDict without a chosen split). `label` names the file in messages. Token
+    ids and log-probs are dropped (not our tokenizer's), except a book row's whose recorded
+    tokenizer is `tokenizer`, the reading workspace's own (tasks/data/pair_book.py).
     """
     res, seen = ImportResult(), set()
     for where, rec, err in rows(path, splits, label or str(path)):
@@ -54,7 +64,8 @@ def read_pairs(path: Path, splits: str = "", label: str | None = None) -> Import
         if rec is None:
             res.errors.append(err or f"{where}: unreadable row")
             continue
-        rec = {k: v for k, v in rec.items() if k not in SAMPLED_KEYS}   # not our tokenizer's
+        if not keeps_tokens(rec, tokenizer):                            # not our tokenizer's
+            rec = {k: v for k, v in rec.items() if k not in SAMPLED_KEYS + LOGPROB_KEYS}
         try:
             pair = parse_pair(rec, "", 0, "import", where=where)
         except IdenticalPair:

@@ -3,7 +3,8 @@
 Two real sources:
 - `import`: the user's pairs, `offpolicy.import_path` inside the workspace's data/import/ (a
   declared dep; `alignloop import FILE` puts them there): JSONL, JSON, Parquet or a directory
-  saved by HF `datasets`, in any TRL preference format (see tasks/data/pair_import.py);
+  saved by HF `datasets`, in any TRL preference format (see tasks/data/pair_import.py), or
+  another workspace's pools (`alignloop import --from-workspace`, tasks/data/pair_book.py);
 - `cold_start`: K samples per prompt from the behaviour policy (the initial model), labelled
   by the judge, best vs worst.
 The result is iteration 0's pair pool; each iteration's judged on-policy pairs are added to it.
@@ -19,6 +20,7 @@ from pathlib import Path
 from tasks.config.params import Params
 from tasks.core import jsonl, layout
 from tasks.core.jsonl import DataError
+from tasks.data import pair_book
 from tasks.data.pair_import import read_pairs
 from tasks.data.records import PreferencePair, with_sampler_logprobs
 from tasks.judging.judge_factory import make_judge
@@ -38,10 +40,15 @@ CONTRACT = stage.Contract(
 
 def import_pairs(path: Path, root: Path | None = None) -> list[PreferencePair]:
     """The user's pairs from `path`, which must lie inside `root`/data/import when a workspace
-    root is given; every row is checked first: the first bad one is named, the rest counted."""
+    root is given; every row is checked first: the first bad one is named, the rest counted.
+    Rows carried from another workspace's pools (`alignloop import --from-workspace`) keep
+    their token ids and sampler log-probs when they name the tokenizer of `root`'s initial
+    model; every other row is text."""
+    tokenizer = None
     if root is not None:
         inside_import_dir(path, root)
-    res = read_pairs(path)
+        tokenizer = pair_book.tokenizer_md5_of_dir(root / layout.policy(0))
+    res = read_pairs(path, tokenizer=tokenizer)
     if res.errors:                  # one line, as every stage error; the command lists them all
         more = len(res.errors) - 1
         raise DataError(res.errors[0] + (f" (and {more} more bad rows: `alignloop import "
@@ -53,8 +60,10 @@ def import_pairs(path: Path, root: Path | None = None) -> list[PreferencePair]:
                         + f": `alignloop import {path}` writes the file without them")
     if not res.pairs:
         raise DataError(f"{path}: no preference pairs")
+    tokens = sum(1 for x in res.pairs if x.source == pair_book.BOOK_SOURCE and x.sampled)
     stage.say(f"collect_offpolicy: {res.rows} rows, {len(res.pairs)} pairs, {res.duplicates} "
-              "duplicates dropped")
+              "duplicates dropped" + (f", {tokens} book pairs with their token ids" if tokens
+                                      else ""))
     return res.pairs
 
 
