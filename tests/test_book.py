@@ -417,3 +417,20 @@ def test_a_book_from_a_tiny_run_trains_b_and_lineage_reaches_a(tiny_run, tmp_pat
 def _books(tree: Any) -> list[dict]:
     from flows.lineage import iter_books
     return iter_books(tree)
+
+
+def test_a_pool_file_imported_by_hand_never_passes_for_this_workspaces_iterations(tmp_path):
+    """A plain `alignloop import` of a copied pool file: its rows name the other workspace's
+    iterations (source iter_3, meta.iteration 3), which this one would take for its own
+    on-policy pairs (the reward model's window, staleness); they become imports, the file's
+    values kept under other names."""
+    rec = pair(1, "iter_3", 3, tokens=False).to_record()
+    path = tmp_path / "pool.jsonl"
+    path.write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "chosen": "Fine.",
+                                                         "meta": "not an object"}) + "\n")
+    res = read_pairs(path)
+    assert [p.source for p in res.pairs] == ["import"]
+    meta = res.pairs[0].meta
+    assert "iteration" not in meta and meta["file_iteration"] == 3
+    assert meta["file_source"] == "iter_3" and meta["prompt_id"] == "1"
+    assert res.errors == [f"{path}:2: field 'meta' must be an object"]

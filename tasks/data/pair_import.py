@@ -66,6 +66,8 @@ def read_pairs(path: Path, splits: str = "", label: str | None = None,
             continue
         if not keeps_tokens(rec, tokenizer):                            # not our tokenizer's
             rec = {k: v for k, v in rec.items() if k not in SAMPLED_KEYS + LOGPROB_KEYS}
+        if rec.get("source") != "book":     # never taken for one of this workspace's iterations
+            rec = _as_import(rec)
         try:
             pair = parse_pair(rec, "", 0, "import", where=where)
         except IdenticalPair:
@@ -84,6 +86,21 @@ def read_pairs(path: Path, splits: str = "", label: str | None = None,
         seen.add(key)
         res.pairs.append(pair)
     return res
+
+
+def _as_import(rec: dict[str, Any]) -> dict[str, Any]:
+    """A user's row as an import: `source` import and no `meta.iteration`, whatever the file
+    says (a pool file copied from a workspace names that workspace's iterations, which this
+    one would take for its own on-policy pairs); the file's values stay in meta."""
+    meta = rec.get("meta")
+    if not isinstance(meta, dict):
+        return {**rec, "source": "import"}
+    kept = {k: v for k, v in meta.items() if k != "iteration"}
+    if "iteration" in meta:
+        kept["file_iteration"] = meta["iteration"]
+    if "source" in rec:
+        kept["file_source"] = rec["source"]
+    return {**rec, "source": "import", "meta": kept}
 
 
 def rows(path: Path, splits: str, label: str) -> Iterator[Row]:
