@@ -388,11 +388,28 @@ def test_a_book_from_a_tiny_run_trains_b_and_lineage_reaches_a(tiny_run, tmp_pat
     run_cli("init", str(b), "--profile", "tiny")
     out = run_cli("import", "--from-workspace", str(a), "--workspace", str(b)).stdout
     assert "tokens: token ids and sampler log-probs kept" in out
-    set_params(b / layout.PARAMS_FILE, offpolicy__source="import")
+    # B re-aligned as default-book does: iteration 1 offline, on the book alone
+    set_params(b / layout.PARAMS_FILE, offpolicy__source="import", rollout__offline=[1])
+    data = yaml.safe_load((b / layout.PARAMS_FILE).read_text())
+    data["update"]["dpo"].update(offline_pairs=6, offpolicy_weighting="is")
+    (b / layout.PARAMS_FILE).write_text(yaml.safe_dump(data, sort_keys=False))
     run_cli("run", "--workspace", str(b))
     pool0 = [json.loads(x) for x in (b / layout.pairs_pool(0)).read_text().splitlines()]
     assert {r["source"] for r in pool0} == {"book"}
     assert all("chosen_ids" in r and "chosen_logprobs" in r for r in pool0)
+    metrics = lambda it, st: json.loads((b / layout.metrics(it, st)).read_text())
+    assert metrics(1, "rollout")["rollout/offline"] == 1.0 and metrics(1, "rollout")[
+        "rollout/n"] == 0.0
+    assert (b / layout.pairs(1)).read_text() == ""                   # nothing judged
+    assert len((b / layout.pairs_pool(1)).read_text().splitlines()) == len(pool0)
+    up = metrics(1, "update")
+    assert up["update/offline"] == 1.0 and up["update/n_onpolicy_pairs"] == 0.0
+    assert up["update/n_offpolicy_pairs"] == 6.0 and up["update/steps"] > 0
+    per_book = {k: v for k, v in up.items()
+                if k.startswith("update/offpolicy/book_iter_") and k.endswith("/n")}
+    assert per_book and sum(per_book.values()) == 6.0       # weights reported per A iteration
+    assert 0 < up["update/offpolicy_ess"] <= 6.0
+    assert metrics(2, "update")["update/n_onpolicy_pairs"] > 0      # iteration 2 online
     a_lock = yaml.safe_load((a / "dvc.lock").read_text())["stages"]
     a_pools = sorted((o["path"], o["md5"]) for e in a_lock.values() for o in e.get("outs", [])
                      if layout.pool_iteration(o["path"]) is not None)
