@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import cache_dir
 from benchmarks.ticks import REPO, cli, cpu, fmt, load, stage_seconds
 
 RESULTS = REPO / "benchmarks" / "results" / "book.jsonl"
@@ -77,11 +78,12 @@ def overlay(path: Path, profile: str, seed: int, extra: str) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workdir", default=str(REPO / "benchmarks" / ".cache" / "book"))
+    ap.add_argument("--workdir", help="where the two workspaces go (default: "
+                                      "benchmarks/.cache/book, ignored by git)")
     ap.add_argument("--precision", default="auto", choices=("auto", "fp32"),
                     help="fp32: train_rm and the update in fp32 (a CPU without bf16)")
     args = ap.parse_args()
-    work = Path(args.workdir).resolve()
+    work = Path(args.workdir).resolve() if args.workdir else cache_dir() / "book"
     work.mkdir(parents=True, exist_ok=True)
     extra = ("train_rm:\n  precision: fp32\nupdate:\n  dpo:\n    precision: fp32\n"
              if args.precision == "fp32" else "")
