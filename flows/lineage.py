@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,41 +206,36 @@ def adapter_base(root: Path, lock: dict[str, Any], model_md5: str) -> dict[str, 
             "dvc_md5": producers[0].get("md5") if producers else None}
 
 
+def _dicts(n: Any, into_books: bool = True) -> Iterator[dict[str, Any]]:
+    """Every mapping of a lineage tree, depth first; not inside `book` nodes unless into_books."""
+    if isinstance(n, dict):
+        yield n
+        for k, v in n.items():
+            if into_books or k != "book":
+                yield from _dicts(v, into_books)
+    elif isinstance(n, list):
+        for v in n:
+            yield from _dicts(v, into_books)
+
+
 def iter_artifacts(node: dict[str, Any]) -> list[dict[str, Any]]:
     """Every out in the tree (each stage's outputs, recursively), once per (path, md5); not
     those of a book's workspace (`iter_books`: each book is verified against its own)."""
     found: dict[tuple[str, str], dict[str, Any]] = {}
-
-    def walk(n: Any) -> None:
-        if isinstance(n, dict):
-            if "stage" in n and "outs" in n:
-                for o in n["outs"]:
-                    found[(o["path"], o["md5"])] = o
-            for k, v in n.items():
-                if k != "book":
-                    walk(v)
-        elif isinstance(n, list):
-            for v in n:
-                walk(v)
-    walk(node)
+    for n in _dicts(node, into_books=False):
+        if "stage" in n and "outs" in n:
+            for o in n["outs"]:
+                found[(o["path"], o["md5"])] = o
     return list(found.values())
 
 
 def iter_books(node: Any) -> list[dict[str, Any]]:
     """Every book node in the tree, books inside books included, once per (workspace, commit)."""
     found: dict[tuple[str, str], dict[str, Any]] = {}
-
-    def walk(n: Any) -> None:
-        if isinstance(n, dict):
-            if isinstance(n.get("book"), dict):
-                b = n["book"]
-                found.setdefault((b["workspace"], b["commit"]), b)
-            for v in n.values():
-                walk(v)
-        elif isinstance(n, list):
-            for v in n:
-                walk(v)
-    walk(node)
+    for n in _dicts(node):
+        if isinstance(n.get("book"), dict):
+            b = n["book"]
+            found.setdefault((b["workspace"], b["commit"]), b)
     return list(found.values())
 
 
