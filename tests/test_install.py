@@ -95,7 +95,7 @@ def test_init_makes_a_committed_workspace_that_points_nowhere_outside_it(tmp_pat
     assert "already a workspace" in again.stderr
     bad = run_cli("init", str(tmp_path / "other"), "--profile", "tiny-ish", check=False)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
-    assert "tiny-ish: no such profile (shipped: default, default-http-judge," in bad.stderr
+    assert "tiny-ish: no such profile (shipped: default, default-book, default-http-judge," in bad.stderr
     assert not (tmp_path / "other").exists()
 
 
