@@ -15,19 +15,11 @@ import os
 import shutil
 from pathlib import Path
 
-from flows.verify import object_path, stores
+from flows.verify import stored, stores
 
 
 class NotRestorable(Exception):
     """The bytes are in no store this workspace can read."""
-
-
-def _find(bases: list[Path], md5: str) -> Path | None:
-    for base in bases:
-        obj = object_path(base, md5)
-        if obj.is_file():
-            return obj
-    return None
 
 
 def materialise(root: Path, state: Path, model_path: str, model_md5: str) -> Path:
@@ -39,7 +31,7 @@ def materialise(root: Path, state: Path, model_path: str, model_md5: str) -> Pat
     if dest.is_dir():
         return dest
     bases = [s.base for s in stores(root) if s.base is not None]
-    manifest = _find(bases, model_md5)
+    manifest = stored(bases, model_md5)
     if manifest is None:
         raise NotRestorable(f"{model_path} ({model_md5}) is in no store here (the DVC cache or "
                             "a local default remote): `dvc pull` it at the version's commit")
@@ -47,7 +39,7 @@ def materialise(root: Path, state: Path, model_path: str, model_md5: str) -> Pat
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         for entry in json.loads(manifest.read_text()):
-            obj = _find(bases, entry["md5"])
+            obj = stored(bases, entry["md5"])
             if obj is None:
                 raise NotRestorable(f"{model_path}/{entry['relpath']} ({entry['md5']}) is in no "
                                     "store here: `dvc pull` it at the version's commit")

@@ -86,26 +86,22 @@ def _check_object(base: Path, md5: str, relname: str) -> str | None:
     return None
 
 
-def _find(bases: list[Path], md5: str) -> Path | None:
-    return next((object_path(b, md5) for b in bases if object_path(b, md5).is_file()), None)
-
-
 def stored(bases: list[Path], md5: str) -> Path | None:
     """The first store's copy of an object (a directory: its manifest), or None."""
-    return _find(bases, md5)
+    return next((object_path(b, md5) for b in bases if object_path(b, md5).is_file()), None)
 
 
 def present(bases: list[Path], md5: str) -> bool:
     """Whether any store holds the object (a directory: its manifest)."""
-    return _find(bases, md5) is not None
+    return stored(bases, md5) is not None
 
 
 def read_member(bases: list[Path], dir_md5: str, relpath: str) -> str | None:
     """The text of one file of a stored directory, or None (no such file, or not stored)."""
-    manifest = _find(bases, dir_md5) if dir_md5.endswith(".dir") else None
+    manifest = stored(bases, dir_md5) if dir_md5.endswith(".dir") else None
     entry = next((e for e in json.loads(manifest.read_text()) if e["relpath"] == relpath),
                  None) if manifest else None
-    obj = _find(bases, entry["md5"]) if entry else None
+    obj = stored(bases, entry["md5"]) if entry else None
     return obj.read_text() if obj else None
 
 
@@ -113,7 +109,7 @@ def weights_md5(bases: list[Path], dir_md5: str) -> str | None:
     """tasks.models.lm.weights_md5 of a stored model directory, from its objects: md5 over its
     top-level *.safetensors in name order (and alignloop_base.json for an adapter). None when
     a file is in no store."""
-    manifest = _find(bases, dir_md5)
+    manifest = stored(bases, dir_md5)
     if manifest is None:
         return None
     top = {e["relpath"]: e["md5"] for e in json.loads(manifest.read_text())
@@ -122,7 +118,7 @@ def weights_md5(bases: list[Path], dir_md5: str) -> str | None:
     names += ["alignloop_base.json"] if "alignloop_base.json" in top else []
     h = hashlib.md5()
     for name in names:
-        obj = _find(bases, top[name])
+        obj = stored(bases, top[name])
         if obj is None:
             return None
         with obj.open("rb") as f:
