@@ -451,3 +451,11 @@ def test_a_pool_file_imported_by_hand_never_passes_for_this_workspaces_iteration
     assert "iteration" not in meta and meta["file_iteration"] == 3
     assert meta["file_source"] == "iter_3" and meta["prompt_id"] == "1"
     assert res.errors == [f"{path}:2: field 'meta' must be an object"]
+
+
+def test_only_a_pool_path_as_a_stage_writes_it_names_an_iteration() -> None:
+    assert layout.pool_iteration(layout.pairs_pool(0)) == 0
+    assert layout.pool_iteration(layout.pairs_pool(12)) == 12
+    for other in ("data/iter_01/pairs_pool.jsonl", "data/iter_x/pairs_pool.jsonl",
+                  layout.pairs(3), "w/" + layout.pairs_pool(3), layout.pairs_pool(3) + ".tmp"):
+        assert layout.pool_iteration(other) is None, other

@@ -4,6 +4,8 @@ dvc.yaml declares the same paths; tests check that the two agree.
 """
 from __future__ import annotations
 
+import re
+
 PARAMS_FILE = "params.yaml"
 
 # the stages, in run order, as dvc.yaml declares them (tests/test_dvc_yaml.py): the set-up stages
@@ -63,11 +65,11 @@ def pairs_pool(it: int) -> str:
 
 def pool_iteration(path: str) -> int | None:
     """The iteration whose pair pool `path` is (`pairs_pool(k)` -> k), None for any other path."""
-    head, sep, tail = path.partition("/pairs_pool.jsonl")
-    k = head.removeprefix("data/iter_")
-    if not sep or tail or head == k or not k.isdigit() or pairs_pool(int(k)) != path:
-        return None
-    return int(k)
+    m = _POOL.fullmatch(path)
+    return int(m[1]) if m else None
+
+
+_POOL = re.compile(r"data/iter_(0|[1-9][0-9]*)/pairs_pool\.jsonl")   # as pairs_pool writes it
 
 
 def rollouts(it: int) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.jsonl import DataError
-from tasks.data.pair_book import keeps_tokens
+from tasks.data.pair_book import BOOK_SOURCE, keeps_tokens
 from tasks.data.pair_formats import IdenticalPair
 from tasks.data.records import (
     LOGPROB_KEYS,
@@ -66,7 +66,7 @@ def read_pairs(path: Path, splits: str = "", label: str | None = None,
             continue
         if not keeps_tokens(rec, tokenizer):                            # not our tokenizer's
             rec = {k: v for k, v in rec.items() if k not in SAMPLED_KEYS + LOGPROB_KEYS}
-        if rec.get("source") != "book":     # never taken for one of this workspace's iterations
+        if rec.get("source") != BOOK_SOURCE:   # never taken for one of this workspace's iterations
             rec = _as_import(rec)
         try:
             pair = parse_pair(rec, "", 0, "import", where=where)
