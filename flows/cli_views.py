@@ -139,17 +139,16 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     left_out = [k for k in artifacts if k in gone and not verify.present(readable, k[1])]
     problems = verify.verify(root, [v for k, v in artifacts.items() if k not in left_out], kept)
     problems += [p for b in bases for p in _base_problems(b, readable)]
-    books = [_book_problems(b, args.skip_remote) for b in lineage.iter_books(tree)]
-    problems += [p for _, found in books for p in found]
+    books = [(b, *_book_problems(b, args.skip_remote)) for b in lineage.iter_books(tree)]
+    problems += [p for _, _, found in books for p in found]
     for p in problems:
         print(f"verify: FAILED {p}", file=sys.stderr)
     checked = " and ".join(f"{s.name} ({s.where})" for s in kept if s.base is not None)
     skipped = "; the remote skipped (--skip-remote)" if args.skip_remote else ""
     gc_note = (f"; {len(left_out)} archived by `alignloop gc` (weights removed, recorded in "
                f"{archived.LEDGER}): {', '.join(p for p, _ in left_out)}") if left_out else ""
-    book_note = "".join(f"; {n} of the book's source {w} re-hashed from its stores"
-                        for w, n in ((b["workspace"], n) for b, (n, _) in
-                                     zip(lineage.iter_books(tree), books)))
+    book_note = "".join(f"; {n} of the book's source {b['workspace']} re-hashed from its stores"
+                        for b, n, _ in books)
     print(f"verify: {'FAILED' if problems else 'ok'}: {len(artifacts) - len(left_out)} "
           f"artifacts re-hashed from the {checked}{skipped}{book_note}"
           f"{', ' + str(len(problems)) + ' problems' if problems else ''}{gc_note}")
