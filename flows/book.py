@@ -169,9 +169,19 @@ def same_tokenizer(root: Path, src: Source, kept: list[Store]) -> tuple[bool, st
                           f"same one ({'/'.join(mine)}); collect_offpolicy checks it again")
 
 
+def where_found(src: Source, kept: list[Store]) -> dict[str, str | None]:
+    """Where a person finds the source again when its path is gone (a clone of it is named to
+    `lineage --book-source`): its git remote `origin` and its default DVC remote, as
+    configured at import time."""
+    origin = git(src.root, "remote", "get-url", "origin", check=False) or None
+    remote = next((s.where for s in kept if s.name != "cache"), None)
+    return {"git_remote": origin, "dvc_remote": remote}
+
+
 def manifest(src: Source, pools: list[pair_book.Pool], labels_md5: str | None,
-             book: pair_book.Book, tokens: bool, tokenizer: str | None) -> dict[str, Any]:
-    return {"workspace": str(src.root), "commit": src.commit,
+             book: pair_book.Book, tokens: bool, tokenizer: str | None,
+             found: dict[str, str | None]) -> dict[str, Any]:
+    return {"workspace": str(src.root), "commit": src.commit, **found,
             "pools": [{"path": p.path, "md5": p.md5, "rows": len(p.pairs),
                        "iteration": p.iteration} for p in pools],
             "audit_labels_md5": labels_md5, "n_pairs": len(book.pairs),
@@ -201,7 +211,8 @@ def build(root: Path, other: str | Path, rev: str) -> tuple[pair_book.Book, dict
         raise InputError(f"{src.name('dvc.lock')}: no pairs left after the audit's drops")
     line = (f"tokens: token ids and sampler log-probs kept ({why})" if tokens else
             f"tokens: dropped, the pairs are imported as text ({why})")
-    return book, manifest(src, pools, labels_md5, book, tokens, tokenizer), line
+    return book, manifest(src, pools, labels_md5, book, tokens, tokenizer,
+                          where_found(src, kept)), line
 
 
 def write(root: Path, book: pair_book.Book, info: dict[str, Any]) -> Path:

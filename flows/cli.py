@@ -307,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="re-hash every artifact from the DVC cache and remote")
     lin.add_argument("--skip-remote", action="store_true",
                      help="with --verify: the cache and git only (the remote is not checked)")
+    lin.add_argument("--book-source", action="append", metavar="PATH",
+                     help="a clone or copy of an imported book's source workspace, read when "
+                          "the path the book recorded is gone (repeatable)")
     lin.set_defaults(func=cmd_lineage)
     srv_m = sub.add_parser("serve", help="serve a registered version over HTTP (MLflow's "
                                           "scoring server; a policy answers chat requests)")

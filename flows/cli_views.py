@@ -117,7 +117,9 @@ def cmd_lineage(args: argparse.Namespace) -> int:
               "workspace)", file=sys.stderr)
     else:
         client = MlflowClient()
-    tree = lineage.model_lineage(root, client, lineage.resolve(client, args.model))
+    sources = tuple(Path(p).expanduser() for p in args.book_source or ())
+    tree = lineage.model_lineage(root, client, lineage.resolve(client, args.model),
+                                 sources=sources)
     if args.json:
         print(json.dumps(tree, indent=2, default=str))
     else:
@@ -148,6 +150,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     gc_note = (f"; {len(left_out)} archived by `alignloop gc` (weights removed, recorded in "
                f"{archived.LEDGER}): {', '.join(p for p, _ in left_out)}") if left_out else ""
     book_note = "".join(f"; {n} of the book's source {b['workspace']} re-hashed from its stores"
+                        + (f" (its clone {b['read_from']})" if b.get("read_from") else "")
                         for b, n, _ in books)
     print(f"verify: {'FAILED' if problems else 'ok'}: {len(artifacts) - len(left_out)} "
           f"artifacts re-hashed from the {checked}{skipped}{book_note}"
@@ -156,16 +159,22 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def _book_problems(book: dict, skip_remote: bool) -> tuple[int, list[str]]:
-    """The artifacts of an imported book, re-hashed from its source workspace's own stores:
-    (how many, problems). A source that is gone, or holds no dvc.lock at the book's commit, is
-    a problem naming it: nothing of it was re-hashed. Weights `alignloop gc` archived there
-    and no store holds are left out, as for this workspace's own."""
+    """The artifacts of an imported book, re-hashed from its source workspace's own stores
+    (where lineage read it: the recorded path, or a clone named by `--book-source`): (how
+    many, problems). A source that is not here, or holds no dvc.lock at the book's commit, is
+    a problem naming it and where it was kept: nothing of it was re-hashed. Weights `alignloop
+    gc` archived there and no store holds are left out, as for this workspace's own."""
     from flows import lineage, verify
-    other = Path(book["workspace"])
-    where = f"book source {other} (commit {book['commit'][:10]})"
+    other = Path(book.get("read_from") or book["workspace"])
+    where = f"book source {book['workspace']} (commit {book['commit'][:10]})"
+    if book.get("read_from"):
+        where += f", read from {other}"
     if book.get("source_workspace"):
+        kept_at = "".join(f"; its {k.replace('_', ' ')} was {book[k]}"
+                          for k in ("git_remote", "dvc_remote") if book.get(k))
         return 0, [f"{where}: workspace {book['source_workspace']}; its pools "
-                   f"{', '.join(p['path'] for p in book['pools'])} cannot be re-hashed"]
+                   f"{', '.join(p['path'] for p in book['pools'])} cannot be re-hashed "
+                   f"(name a clone of it with --book-source PATH{kept_at})"]
     try:
         kept = verify.stores(other, skip_remote)
     except Exception as e:  # noqa: BLE001 (DVC raises several types for a broken repo)
@@ -222,7 +231,8 @@ def _print_lineage(node: dict, indent: int = 0) -> None:
 
     def book(b: dict, depth: int) -> None:
         p = "  " * depth
-        gone = f" (source workspace {b['source_workspace']})" if b.get("source_workspace") else ""
+        gone = (f" (source workspace {b['source_workspace']})" if b.get("source_workspace")
+                else f" (read from its clone {b['read_from']})" if b.get("read_from") else "")
         print(f"{p}<- book of {b['workspace']} at commit {b['commit'][:10]}{gone}: "
               f"{b['n_pairs']} pairs, tokens {'kept' if b['tokens_kept'] else 'dropped'}")
         for pool in b["pools"]:

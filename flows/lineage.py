@@ -89,9 +89,11 @@ def _artifact(root: Path, item: dict[str, Any]) -> dict[str, Any]:
 
 
 def stage_tree(root: Path, lock: dict[str, Any], name: str, seen: set[str],
-               commit: str | None = None) -> dict[str, Any]:
+               commit: str | None = None, sources: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A stage with its params, outs and inputs; each input names the stage that produced it.
-    With the lock's `commit`, an input under data/import carries the book it came from."""
+    With the lock's `commit`, an input under data/import carries the book it came from (its
+    source workspace where the book recorded it, or the first of `sources` whose git holds the
+    book's commit: a clone or copy of it)."""
     entry = lock[name]
     producers = {o["path"]: s for s, e in lock.items() for o in e.get("outs", [])}
     node: dict[str, Any] = {
@@ -118,8 +120,8 @@ def stage_tree(root: Path, lock: dict[str, Any], name: str, seen: set[str],
         elif producer in seen:
             item["produced_by"] = {"stage": producer, "see": "above"}
         else:
-            item["produced_by"] = stage_tree(root, lock, producer, seen, commit)
-        if commit and _imported(dep["path"]) and (book := book_node(root, commit)):
+            item["produced_by"] = stage_tree(root, lock, producer, seen, commit, sources)
+        if commit and _imported(dep["path"]) and (book := book_node(root, commit, sources)):
             item["book"] = book
         node["inputs"].append(item)
     return node
@@ -129,19 +131,38 @@ def _imported(path: str) -> bool:
     return path == layout.IMPORT_DIR or path.startswith(layout.IMPORT_DIR + "/")
 
 
-def book_node(root: Path, commit: str) -> dict[str, Any] | None:
+def book_source(book: dict[str, Any],
+                sources: tuple[Path, ...] = ()) -> tuple[Path, bytes] | None:
+    """Where the book's source workspace is read, with its dvc.lock at the book's commit: the
+    first of `sources` (clones or copies of it, `--book-source`) whose git holds that commit,
+    else the path the book recorded; None: neither is here."""
+    from flows.workspace import git_bytes
+    for cand in (*sources, Path(book["workspace"])):
+        if (cand / ".git").exists():
+            lock = git_bytes(cand, "show", f"{book['commit']}:dvc.lock")
+            if lock is not None:
+                return cand.resolve(), lock
+    return None
+
+
+def book_node(root: Path, commit: str, sources: tuple[Path, ...] = ()) -> dict[str, Any] | None:
     """The manifest of the book imported at `commit` (None: none), each pool with the other
-    workspace's artifact record and producing stage at the book's commit."""
+    workspace's artifact record and producing stage at the book's commit; `read_from` names
+    the clone it was read from when that is not the recorded path."""
     from flows.workspace import git_bytes
     text = git_bytes(root, "show", f"{commit}:{layout.BOOK_MANIFEST}")
     if text is None:
         return None
     book = json.loads(text)
-    other, at = Path(book["workspace"]), book["commit"]
-    lock_text = git_bytes(other, "show", f"{at}:dvc.lock") if (other / ".git").exists() else None
-    if lock_text is None:
-        why = "not found" if not other.exists() else f"has no dvc.lock at commit {at[:10]}"
+    at = book["commit"]
+    found = book_source(book, sources)
+    if found is None:
+        why = ("not found" if not Path(book["workspace"]).exists()
+               else f"has no dvc.lock at commit {at[:10]}")
         return {**book, "source_workspace": why}
+    other, lock_text = found
+    if other != Path(book["workspace"]).resolve():
+        book = {**book, "read_from": str(other)}
     lock = yaml.safe_load(lock_text)["stages"]
     producers = {o["path"]: (s, o) for s, e in lock.items() for o in e.get("outs", [])}
     seen: set[str] = set()
@@ -152,12 +173,15 @@ def book_node(root: Path, commit: str) -> dict[str, Any] | None:
             pools.append({**pool, "produced_by": f"no stage of {other} at {at[:10]} outputs it"})
             continue
         tree: Any = ({"stage": stage, "see": "above"} if stage in seen
-                     else stage_tree(other, lock, stage, seen, at))
+                     else stage_tree(other, lock, stage, seen, at, sources))
         pools.append({**pool, **_artifact(other, out), "produced_by": tree})
     return {**book, "pools": pools}
 
 
-def model_lineage(root: Path, client: MlflowClient, mv: Any, depth: int = 0) -> dict[str, Any]:
+def model_lineage(root: Path, client: MlflowClient, mv: Any, depth: int = 0,
+                  sources: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A version's tree; `sources`: clones or copies of imported books' source workspaces
+    (`book_source`)."""
     tags = dict(mv.tags)
     commit = tags.get("git_commit")
     if not commit:
@@ -172,7 +196,7 @@ def model_lineage(root: Path, client: MlflowClient, mv: Any, depth: int = 0) -> 
         "alias_history": {k: v for k, v in tags.items() if k.startswith("alias.")},
         "archived": tags.get(archived.TAG),
         "base": adapter_base(root, lock, tags.get("model_md5", "")),
-        "produced_by": stage_tree(root, lock, tags["dvc_stage"], set(), commit),
+        "produced_by": stage_tree(root, lock, tags["dvc_stage"], set(), commit, sources),
     }
     rm_version = tags.get("reward_model_version")
     if rm_version:
@@ -184,7 +208,7 @@ def model_lineage(root: Path, client: MlflowClient, mv: Any, depth: int = 0) -> 
     parent = tags.get("parent_policy_version")
     if parent and parent not in ("initial", "unknown"):
         node["parent_policy"] = model_lineage(root, client, client.get_model_version(
-            mv.name, parent), depth + 1)
+            mv.name, parent), depth + 1, sources)
     else:
         node["parent_policy"] = parent
     return node

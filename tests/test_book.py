@@ -8,6 +8,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -256,7 +257,50 @@ def test_lineage_crosses_into_the_book_and_verify_names_a_gone_source(tmp_path):
     assert _book_problems(gone, skip_remote=True)[1] == [
         f"book source {a} (commit {book['commit'][:10]}): workspace not found; its pools "
         "data/iter_0/pairs_pool.jsonl, data/iter_1/pairs_pool.jsonl, "
-        "data/iter_2/pairs_pool.jsonl cannot be re-hashed"]
+        "data/iter_2/pairs_pool.jsonl cannot be re-hashed (name a clone of it with "
+        f"--book-source PATH; its dvc remote was {a / '.alignloop' / 'dvc-remote'})"]
+
+
+def test_a_clone_of_the_source_named_by_book_source_verifies_the_book(tmp_path):
+    """A team's audit where A's path is not there (another machine, a moved disk): A's manifest
+    says where A was kept; a clone of A (`git clone`, its remote named as the docs say) given
+    to `--book-source` is where the lineage and the re-hash are read, and the message says so;
+    a clone without the objects is a problem, never an ok."""
+    from flows import lineage
+    from flows.cli_views import _book_problems
+    a = make_other(tmp_path / "A")
+    wsmod.git(a, "remote", "add", "origin", "git@example.org:team/A.git")
+    b = tmp_path / "B"
+    assert import_book("--from-workspace", str(a), "--workspace", str(b))[0] == 0
+    info = json.loads((b / layout.BOOK_MANIFEST).read_text())
+    assert info["git_remote"] == "git@example.org:team/A.git"
+    assert info["dvc_remote"] == str(a / ".alignloop" / "dvc-remote")
+    lock = {"collect_offpolicy": {"cmd": "x", "deps": [{"path": layout.IMPORT_DIR,
+                                                        "md5": "d.dir"}], "outs": []}}
+    wsmod.git(b, "add", "-A")
+    wsmod.git(b, "commit", "-qm", "import")
+    at = wsmod.git(b, "rev-parse", "HEAD")
+    team_remote = tmp_path / "team-remote" / "files" / "md5"
+    shutil.copytree(a / CACHE, team_remote)          # what A pushed to the team's remote
+    clone = tmp_path / "A-clone"
+    subprocess.run(["git", "clone", "-q", str(a), str(clone)], check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "remote", "add", "--local", "-d", "origin",
+                    str(tmp_path / "team-remote")], cwd=clone, check=True, capture_output=True)
+    shutil.rmtree(a)
+    gone = lineage.stage_tree(b, lock, "collect_offpolicy", set(), at)["inputs"][0]["book"]
+    assert gone["source_workspace"] == "not found" and "read_from" not in gone
+    assert _book_problems(gone, skip_remote=False)[1][0].endswith(
+        "cannot be re-hashed (name a clone of it with --book-source PATH; its git remote was "
+        f"git@example.org:team/A.git; its dvc remote was {a / '.alignloop' / 'dvc-remote'})")
+    book = lineage.stage_tree(b, lock, "collect_offpolicy", set(), at,
+                              (tmp_path / "elsewhere", clone))["inputs"][0]["book"]
+    assert book["read_from"] == str(clone.resolve()) and "source_workspace" not in book
+    assert [p["produced_by"]["stage"] for p in book["pools"]] == [
+        "collect_offpolicy", "judge@1", "judge@2"]
+    assert _book_problems(book, skip_remote=False) == (4, [])   # from the clone's remote
+    n, problems = _book_problems(book, skip_remote=True)           # its cache is empty
+    assert n == 4 and len(problems) == 4 and problems[0].startswith(
+        f"book source {a} (commit {info['commit'][:10]}), read from {clone.resolve()}: ")
 
 
 @pytest.mark.slow      # two loop runs of the tiny profile through the CLI: minutes
@@ -307,6 +351,17 @@ def test_a_book_from_a_tiny_run_trains_b_and_lineage_reaches_a(tiny_run, tmp_pat
     assert bad.returncode == 1 and "verify: ok" not in bad.stdout
     assert f"verify: FAILED book source {a} " in bad.stderr and "workspace not found" in bad.stderr
     subprocess.run(["git", "status"], cwd=b, check=True, capture_output=True)
+    # a clone of B (its registry record in git, B's remote named) audits the book from the
+    # moved A named as the book's source
+    b2 = tmp_path / "B-clone"
+    subprocess.run(["git", "clone", "-q", str(b), str(b2)], check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "remote", "add", "--local", "-d", "origin",
+                    str(b / ".alignloop" / "dvc-remote")], cwd=b2, check=True)
+    again = run_cli("lineage", "models:/alignloop-policy@champion", "--workspace", str(b2),
+                    "--verify", "--book-source", str(tmp_path / "A-moved"))
+    assert "verify: ok" in again.stdout and (f"of the book's source {a} re-hashed from its "
+                                             f"stores (its clone {tmp_path / 'A-moved'})"
+                                             ) in again.stdout
 
 
 def _books(tree: Any) -> list[dict]:
