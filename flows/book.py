@@ -169,12 +169,12 @@ def same_tokenizer(root: Path, src: Source, kept: list[Store]) -> tuple[bool, st
                           f"same one ({'/'.join(mine)}); collect_offpolicy checks it again")
 
 
-def where_found(src: Source, kept: list[Store]) -> dict[str, str | None]:
+def where_found(src: Source, configured: list[Store]) -> dict[str, str | None]:
     """Where a person finds the source again when its path is gone (a clone of it is named to
-    `lineage --book-source`): its git remote `origin` and its default DVC remote, as
-    configured at import time."""
+    `lineage --book-source`): its git remote `origin` and its default DVC remote as
+    configured at import time, one this machine cannot read (a team's s3://...) included."""
     origin = git(src.root, "remote", "get-url", "origin", check=False) or None
-    remote = next((s.where for s in kept if s.name != "cache"), None)
+    remote = next((s.where for s in configured if s.name != "cache"), None)
     return {"git_remote": origin, "dvc_remote": remote}
 
 
@@ -197,7 +197,8 @@ def build(root: Path, other: str | Path, rev: str) -> tuple[pair_book.Book, dict
         raise InputError(f"{root}: a workspace's own pools are in its pool already; "
                          "--from-workspace names another workspace")
     try:
-        kept = [s for s in stores(src.root) if s.base is not None]
+        configured = stores(src.root)
+        kept = [s for s in configured if s.base is not None]
     except Exception as e:  # noqa: BLE001 (DVC raises several types for a broken repo)
         raise InputError(f"{src.root}: its DVC cache and remote cannot be opened "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
@@ -212,7 +213,7 @@ def build(root: Path, other: str | Path, rev: str) -> tuple[pair_book.Book, dict
     line = (f"tokens: token ids and sampler log-probs kept ({why})" if tokens else
             f"tokens: dropped, the pairs are imported as text ({why})")
     return book, manifest(src, pools, labels_md5, book, tokens, tokenizer,
-                          where_found(src, kept)), line
+                          where_found(src, configured)), line
 
 
 def write(root: Path, book: pair_book.Book, info: dict[str, Any]) -> Path:

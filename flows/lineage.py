@@ -159,6 +159,9 @@ def book_node(root: Path, commit: str, sources: tuple[Path, ...] = ()) -> dict[s
     if found is None:
         why = ("not found" if not Path(book["workspace"]).exists()
                else f"has no dvc.lock at commit {at[:10]}")
+        if sources:
+            why += (f", nor has --book-source {', '.join(str(s) for s in sources)} "
+                    f"(no git history holding commit {at[:10]})")
         return {**book, "source_workspace": why}
     other, lock_text = found
     if other != Path(book["workspace"]).resolve():

@@ -292,6 +292,10 @@ def test_a_clone_of_the_source_named_by_book_source_verifies_the_book(tmp_path):
     assert _book_problems(gone, skip_remote=False)[1][0].endswith(
         "cannot be re-hashed (name a clone of it with --book-source PATH; its git remote was "
         f"git@example.org:team/A.git; its dvc remote was {a / '.alignloop' / 'dvc-remote'})")
+    wrong = lineage.stage_tree(b, lock, "collect_offpolicy", set(), at,
+                               (tmp_path / "B",))["inputs"][0]["book"]      # not A's clone
+    assert wrong["source_workspace"] == (f"not found, nor has --book-source {tmp_path / 'B'} "
+                                         f"(no git history holding commit {info['commit'][:10]})")
     book = lineage.stage_tree(b, lock, "collect_offpolicy", set(), at,
                               (tmp_path / "elsewhere", clone))["inputs"][0]["book"]
     assert book["read_from"] == str(clone.resolve()) and "source_workspace" not in book
@@ -301,6 +305,17 @@ def test_a_clone_of_the_source_named_by_book_source_verifies_the_book(tmp_path):
     n, problems = _book_problems(book, skip_remote=True)           # its cache is empty
     assert n == 4 and len(problems) == 4 and problems[0].startswith(
         f"book source {a} (commit {info['commit'][:10]}), read from {clone.resolve()}: ")
+
+
+def test_the_manifest_records_a_team_remote_this_machine_cannot_read(tmp_path):
+    """A source whose default DVC remote is a team's bucket: the pools come from its cache,
+    and the manifest names the bucket, where a clone's objects are pulled from."""
+    a = make_other(tmp_path / "A")
+    subprocess.run([sys.executable, "-m", "dvc", "remote", "add", "--local", "-d", "-f", "team",
+                    "s3://team-bucket/alignloop"], cwd=a, check=True, capture_output=True)
+    assert import_book("--from-workspace", str(a), "--workspace", str(tmp_path / "B"))[0] == 0
+    info = json.loads((tmp_path / "B" / layout.BOOK_MANIFEST).read_text())
+    assert (info["git_remote"], info["dvc_remote"]) == (None, "s3://team-bucket/alignloop")
 
 
 @pytest.mark.slow      # two loop runs of the tiny profile through the CLI: minutes
