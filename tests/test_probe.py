@@ -125,6 +125,37 @@ def test_frozen_features_give_the_same_probe_and_metrics_as_rescoring(
     assert len(cache.rows) == len(unique) == 48 == sum(computed)
 
 
+def test_stats_come_from_spaced_training_pairs_held_out_accuracy_from_all(tmp_path: Path
+                                                                          ) -> None:
+    """`stats_pairs` N: the normalisation stats and rm/train_accuracy are those of N training
+    pairs evenly spaced over the pool's order (scored in the same batches as that list alone,
+    so equal); held-out accuracy still reads every held-out pair."""
+    from tasks.config.params import TinyModelParams
+    from tasks.models.tiny_model import save_tiny
+    from tasks.reward.features import EncodedPair
+    from tasks.reward.reward_model import ensemble_metrics, init_reward_model, spaced
+    save_tiny(TinyModelParams(num_layers=1), 0, tmp_path)
+    g = torch.Generator().manual_seed(3)
+    pool = [EncodedPair(tuple(torch.randint(20, 60, (4,), generator=g).tolist()),
+                        tuple(torch.randint(20, 60, (3,), generator=g).tolist()),
+                        tuple(torch.randint(20, 60, (5,), generator=g).tolist()))
+            for _ in range(40)]
+    train, held = pool[:30], pool[30:]
+    assert spaced(train, 0) == train == spaced(train, 30) == spaced(train, 99)
+    assert spaced(train, 3) == [train[0], train[10], train[20]]
+    assert spaced(train, 7)[-1] == train[25] and len(set(spaced(train, 7))) == 7
+    ens = RewardEnsemble([init_reward_model(tmp_path, torch.Generator().manual_seed(0))],
+                         "fp32", "mean")
+    some, stats_some = ensemble_metrics(ens, train, held, 0, stats_pairs=6)
+    alone, stats_alone = ensemble_metrics(ens, spaced(train, 6), held, 0)
+    every, stats_every = ensemble_metrics(ens, train, held, 0)
+    assert (some["rm/n_train_scored"], some["rm/n_train"], every["rm/n_train_scored"]) == (
+        6, 30, 30)
+    assert stats_some == stats_alone != stats_every
+    assert some["rm/train_accuracy"] == alone["rm/train_accuracy"]
+    assert some["rm/accuracy"] == every["rm/accuracy"]
+
+
 # --- the probe's L2 by cross-validation over training prompts -------------------------------
 
 

@@ -234,6 +234,30 @@ def test_single_model_queue_is_only_the_random_sample() -> None:
     assert [q["reason"] for q in queue] == ["random"] * 4
 
 
+def test_queue_scores_only_what_it_needs() -> None:
+    """Given a function of pair indices, K = 1 scores the queued pairs alone (nothing is
+    ranked), K > 1 every unaudited pair (to rank them); the queue is the table's."""
+    pairs = [pair(i) for i in range(8)]
+    table = t(1, 4, 1, 6, 3, 2, 5, 1,
+              1, -2, 3, -4, 7, 2, -3, 2).reshape(2, 8)
+    labels = {audit.pair_id(pairs[3]): audit.AuditLabel(audit.pair_id(pairs[3]), "swap")}
+    for k in (1, 2):
+        asked: list[list[int]] = []
+
+        def score(idx, k=k):  # type: ignore[no-untyped-def]
+            asked.append(list(idx))
+            return table[:k, list(idx)]
+        queue = audit.build_queue(pairs, score, labels, 3, 2, stage.generator(0, 6, 1), k)
+        assert queue == audit.build_queue(pairs, table[:k], labels, 3, 2,
+                                          stage.generator(0, 6, 1))
+        queued = [i for i in range(8) if audit.pair_id(pairs[i]) in
+                  {q["pair_id"] for q in queue}]
+        if k == 1:
+            assert len(asked) == 1 and sorted(asked[0]) == queued and len(queued) == 2
+        else:
+            assert asked[0] == [0, 1, 2, 4, 5, 6, 7] and sorted(asked[1]) == queued
+
+
 def test_truncated_backbone_keeps_the_first_blocks(tmp_path: Path) -> None:
     """num_layers = 1 keeps block 0 of the initial model (same weights) and drops the rest."""
     from tasks.config.params import TinyModelParams

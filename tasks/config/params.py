@@ -355,7 +355,7 @@ def _check_dpo_and_rm(p: Params, b: _Builder) -> None:
         b.fail(("train_rm", "margin"), "must be >= 0")
     if rm.ensemble < 1:
         b.fail(("train_rm", "ensemble"), "must be >= 1")
-    for key in ("audit_top_n", "audit_random_n", "num_layers"):
+    for key in ("audit_top_n", "audit_random_n", "num_layers", "stats_pairs"):
         if getattr(rm, key) < 0:
             b.fail(("train_rm", key), "must be >= 0")
     if any(n < 1 for n in rm.num_layers_grid):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -170,24 +170,35 @@ def audit_metrics(labels: Sequence[AuditLabel], n_unmatched: int) -> dict[str, f
             "rm/audit_n_unmatched": float(n_unmatched)}
 
 
-def build_queue(pairs: Sequence[PreferencePair], margins: Tensor,
+def build_queue(pairs: Sequence[PreferencePair],
+                margins: Tensor | Callable[[Sequence[int]], Tensor],
                 labels: dict[str, AuditLabel], top_n: int, random_n: int,
-                rng: torch.Generator) -> list[dict[str, Any]]:
+                rng: torch.Generator, members: int | None = None) -> list[dict[str, Any]]:
     """Queue records: the top_n pairs by std of the K members' margins (K > 1), then random_n
-    others drawn with `rng`. margins: (K, N), one column per pair. Audited pairs are skipped."""
+    others drawn with `rng`. Audited pairs are skipped. margins: (K, N), one column per pair, or
+    a function of pair indices that gives their (K, n) margins, with `members` = K: it is called
+    for the unaudited pairs when K > 1 (to rank them) and for the queued pairs alone at K = 1,
+    where nothing is ranked: scoring every new pair costs a forward per response."""
     ids = [pair_id(p) for p in pairs]
     todo = [i for i, pid in enumerate(ids) if pid not in labels]
-    margins = margins.cpu()                   # read element by element below
-    std, mean = margins.std(0, unbiased=False), margins.mean(0)                # (N,), (N,)
-    ranked = sorted(todo, key=lambda i: (-float(std[i]), i)) if margins.shape[0] > 1 else []
-    top = ranked[:top_n]
+    if isinstance(margins, Tensor):
+        table, k = margins, margins.shape[0]
+        score: Callable[[Sequence[int]], Tensor] = lambda idx: table[:, list(idx)]
+    else:
+        score, k = margins, members or 1
+    top: list[int] = []
+    if k > 1 and todo:
+        spread = dict(zip(todo, score(todo).cpu().std(0, unbiased=False).tolist()))
+        top = sorted(todo, key=lambda i: (-spread[i], i))[:top_n]
     rest = [i for i in todo if i not in set(top)]
     pick = torch.randperm(len(rest), generator=rng)[:random_n].tolist()   # cpu: its generator
     chosen = [(i, "disagreement") for i in top] + [(rest[j], "random") for j in sorted(pick)]
+    queued = score([i for i, _ in chosen]).cpu() if chosen else torch.zeros(k, 0)  # (K, Q)
+    std, mean = queued.std(0, unbiased=False), queued.mean(0)                       # (Q,)
     return [{"pair_id": ids[i], "reason": reason, "rank": rank,
              "prompt": prompt_to_record(pairs[i].prompt), "chosen": pairs[i].chosen,
              "rejected": pairs[i].rejected, "source": pairs[i].source,
              "judge": pairs[i].meta.get("judge"), "score_chosen": pairs[i].meta.get("score_chosen"),
              "score_rejected": pairs[i].meta.get("score_rejected"),
-             "rm_margin_mean": float(mean[i]), "rm_margin_std": float(std[i])}
+             "rm_margin_mean": float(mean[rank]), "rm_margin_std": float(std[rank])}
             for rank, (i, reason) in enumerate(chosen)]

@@ -394,25 +394,37 @@ def heads(model: RewardModel) -> list[torch.nn.Module]:
     return [m.score for m in members]
 
 
+def spaced(items: Sequence[EncodedPair], n: int) -> list[EncodedPair]:
+    """At most `n` of `items`, evenly spaced over their order (n = 0 or n >= len: all). In the
+    pool's order (off-policy, then each iteration's) every source keeps its share."""
+    if n <= 0 or n >= len(items):
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]
+
+
 def ensemble_metrics(model: RewardModel, train: Sequence[EncodedPair],
                      heldout: Sequence[EncodedPair], pad_id: int,
-                     cache: FrozenFeatures | None = None
+                     cache: FrozenFeatures | None = None, stats_pairs: int = 0
                      ) -> tuple[dict[str, float], dict[str, float]]:
-    """`rm/` metrics of a trained (ensemble) reward model on its train and held-out pairs, and
-    the normalisation stats (mean, std of the ensemble-mean reward over the training
-    responses): one scoring pass over each set serves both (none with a `cache` of the
-    frozen backbone's features: the heads on them)."""
+    """`rm/` metrics of a trained (ensemble) reward model on its held-out pairs and on
+    `stats_pairs` training pairs (`spaced`; 0: all), and the normalisation stats (mean, std of
+    the ensemble-mean reward over those training responses): one scoring pass over each set
+    serves both (none with a `cache` of the frozen backbone's features: the heads on them). A
+    scoring pass costs a forward per response, and the stats' scale is estimated well by a few
+    hundred pairs."""
     score = ((lambda d: cache.pair_rewards(heads(model), d)) if cache is not None
              else (lambda d: pair_rewards(model, d, pad_id)))
     held = ensemble_agreement(torch.sub(*score(heldout)))
-    r_c, r_r = score(train)                                               # (K, N) each
-    flat = torch.cat([r_c.mean(0), r_r.mean(0)]) if train else torch.zeros(1, device=r_c.device)
+    scored = spaced(train, stats_pairs)
+    r_c, r_r = score(scored)                                              # (K, N) each
+    flat = torch.cat([r_c.mean(0), r_r.mean(0)]) if scored else torch.zeros(1, device=r_c.device)
     stats = {"mean": float(flat.mean()), "std": float(flat.std()) if flat.numel() > 1 else 1.0}
     metrics = {"rm/accuracy": held["accuracy"], "rm/member_accuracy": held["member_accuracy"],
                "rm/ensemble_disagreement": held["disagreement"],
                "rm/ensemble_margin_std": held["margin_std"],
                "rm/train_accuracy": ensemble_agreement(r_c - r_r)["accuracy"],
                "rm/n_train": float(len(train)), "rm/n_heldout": float(len(heldout)),
+               "rm/n_train_scored": float(len(scored)),
                "rm/ensemble": float(len(model) if isinstance(model, RewardEnsemble) else 1)}
     return metrics, stats
 

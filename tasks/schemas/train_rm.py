@@ -43,5 +43,9 @@ class TrainRMParams:
                                     #   out, off-policy (cold-start, imported) and audited pairs
                                     #   stay; 0 = every pair. Bounds train_rm's time over ticks
                                     #   and keeps it on where the policy is
+    stats_pairs: int = 256          # training pairs scored once training ends, evenly spaced over
+                                    #   the pool's order (its sources in proportion): the reward's
+                                    #   normalisation stats (mean, std over their responses; PPO
+                                    #   reads them) and rm/train_accuracy; 0 = every training pair
     processes: int = 1              # > 1: fine-tuning epochs on N ranks under torchrun (DDP, the
                                     #   same global batch)

@@ -166,20 +166,24 @@ def main(argv: list[str] | None = None) -> None:
         distributed.close(group)
         return
     ensemble = RewardEnsemble(members, p.train_rm.precision, p.train_rm.pooling)
-    rm_metrics, stats = ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id, cache)
+    rm_metrics, stats = ensemble_metrics(ensemble, enc_train, enc_held, tok.pad_token_id, cache,
+                                         p.train_rm.stats_pairs)
     metrics.update(rm_metrics)
     metrics.update(audit_metrics)
     metrics.update(window_metrics)
     metrics["rm/bf16"] = float(lm.effective_precision(p.train_rm.precision, args.device) == "bf16")
     metrics["rm/n_onpolicy"] = float(sum(1 for x in pairs if x.source.startswith("iter_")))
 
-
     new = [x for x in pool if x.source == f"iter_{it}"]         # the judge's labels, unaudited
-    margins = (cache.margins(heads(ensemble), enc(new)) if cache is not None
-               else pair_margins(ensemble, enc(new), tok.pad_token_id))
+
+    def margins(idx: Sequence[int]) -> torch.Tensor:             # (K, n): only what the queue needs
+        picked = enc([new[i] for i in idx])
+        return (cache.margins(heads(ensemble), picked) if cache is not None
+                else pair_margins(ensemble, picked, tok.pad_token_id))
+
     queue = audit.build_queue(new, margins, labels,
                               p.train_rm.audit_top_n, p.train_rm.audit_random_n,
-                              stage.generator(p.seed, 6, it))
+                              stage.generator(p.seed, 6, it), len(members))
     metrics["rm/audit_queue_n"] = float(len(queue))
     frozen = (BackboneRef(layout.policy(0), lm.weights_md5(backbone), depth(members[0]))
               if p.train_rm.epochs == 0 else None)  # only the heads were fitted: keep them
