@@ -46,8 +46,10 @@ test: lint
 # imports, a user's own model, two concurrent runs, a work-pool worker, tiny-distributed on Ray and
 # torchrun, a reward-model judge, an RM param edit that reruns most of the loop). CI runs both
 # targets.
+# With ALIGNLOOP_TEST_DEADLINE (unix seconds; .ci/run sets it) a slow test that would not end
+# before it is skipped, saying so (tests/slow_budget.py); -rs lists the skipped ones.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow -q
+	$(BIN)/python -m pytest -m slow -q -rs
 
 # The tests whose arithmetic runs through torch's CPU kernels, again on the kernels of other CPUs
 # than this one: AVX2 (ATen and oneDNN capped at AVX2: a CPU without AVX-512 or bf16) and

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["slow_budget"]      # CI's time budget for the slow tests (tests/slow_budget.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "params" / "tiny.yaml"
 
