@@ -254,8 +254,8 @@ def test_queue_scores_only_what_it_needs() -> None:
                   {q["pair_id"] for q in queue}]
         if k == 1:
             assert len(asked) == 1 and sorted(asked[0]) == queued and len(queued) == 2
-        else:
-            assert asked[0] == [0, 1, 2, 4, 5, 6, 7] and sorted(asked[1]) == queued
+        else:                       # ranked from one call; the queue reuses its margins
+            assert asked == [[0, 1, 2, 4, 5, 6, 7]]
 
 
 def test_truncated_backbone_keeps_the_first_blocks(tmp_path: Path) -> None:

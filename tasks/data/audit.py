@@ -186,14 +186,20 @@ def build_queue(pairs: Sequence[PreferencePair],
         score: Callable[[Sequence[int]], Tensor] = lambda idx: table[:, list(idx)]
     else:
         score, k = margins, members or 1
+    column: dict[int, Tensor] = {}                              # pair index -> its (K,) margins
     top: list[int] = []
     if k > 1 and todo:
-        spread = dict(zip(todo, score(todo).cpu().std(0, unbiased=False).tolist()))
+        column.update(zip(todo, score(todo).cpu().T))
+        spread = {i: float(column[i].std(unbiased=False)) for i in todo}
         top = sorted(todo, key=lambda i: (-spread[i], i))[:top_n]
     rest = [i for i in todo if i not in set(top)]
     pick = torch.randperm(len(rest), generator=rng)[:random_n].tolist()   # cpu: its generator
     chosen = [(i, "disagreement") for i in top] + [(rest[j], "random") for j in sorted(pick)]
-    queued = score([i for i, _ in chosen]).cpu() if chosen else torch.zeros(k, 0)  # (K, Q)
+    unscored = [i for i, _ in chosen if i not in column]
+    if unscored:
+        column.update(zip(unscored, score(unscored).cpu().T))
+    queued = (torch.stack([column[i] for i, _ in chosen], 1) if chosen
+              else torch.zeros(k, 0))                                              # (K, Q)
     std, mean = queued.std(0, unbiased=False), queued.mean(0)                       # (Q,)
     return [{"pair_id": ids[i], "reason": reason, "rank": rank,
              "prompt": prompt_to_record(pairs[i].prompt), "chosen": pairs[i].chosen,
