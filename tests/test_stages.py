@@ -356,6 +356,26 @@ def test_train_rm_is_reproducible_whatever_the_global_rng(ws: Workspace, tmp_pat
     assert again.metrics(layout.metrics(1, "train_rm")) == ws.metrics(layout.metrics(1, "train_rm"))
 
 
+def test_train_rm_stats_from_spaced_pairs_leave_training_and_the_queue_as_they_were(
+        ws: Workspace, tmp_path: Path) -> None:
+    """The stage rerun in a copy with `stats_pairs: 5`: the same weights, held-out accuracy and
+    audit queue; the stats and train accuracy from 5 of the training pairs."""
+    again = copy_workspace(ws, tmp_path / "ws")
+    params = again.path(layout.PARAMS_FILE)           # a key the profile leaves to its default
+    text = params.read_text().replace("\ntrain_rm:\n", "\ntrain_rm:\n  stats_pairs: 5\n", 1)
+    assert text != params.read_text()
+    params.write_text(text)
+    shutil.rmtree(again.path(layout.reward_model(1)))
+    run(train_rm.main, again.root, 1)
+    assert not changed(again.weights(layout.reward_model(1)), ws.weights(layout.reward_model(1)))
+    m, before = (w.metrics(layout.metrics(1, "train_rm")) for w in (again, ws))
+    assert before["rm/n_train"] > 5 and m["rm/n_train_scored"] == 5
+    assert m["rm/accuracy"] == before["rm/accuracy"]
+    assert again.records(layout.audit_queue(1)) == ws.records(layout.audit_queue(1))
+    assert (reward_model.load_stats(again.path(layout.reward_model(1)))
+            != reward_model.load_stats(ws.path(layout.reward_model(1))))
+
+
 # --- update -----------------------------------------------------------------------------------
 
 def test_dpo_update_changed_the_policy(ws: Workspace) -> None:
