@@ -9,7 +9,7 @@ import torch
 from tasks.config.params import GenerationParams, GoldParams, MonitorParams
 from tasks.evaluation.gold import GoldEvaluator, GoldScore, gold_verdict, subject_title
 from tasks.models.lm import mean_nll
-from tasks.stages.evaluate import best_of_n_kl, hacking_flags, kl_per_response, padded, untempered
+from tasks.stages.evaluate import best_of_n_kl, hacking_flags, kl_per_response, padded
 
 
 def g(sentiment: float = 0.0, on_topic: bool = True, fluent: bool = True) -> GoldScore:
@@ -64,6 +64,21 @@ def test_scores_combine_sentiment_topic_fluency(gold: GoldEvaluator) -> None:
     assert gold_verdict(s[0], s[1]) == "A"
 
 
+def test_the_same_lists_scored_again_are_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scoring the same responses, subjects and NLLs again (the candidate's select responses,
+    against the champion and against the reference) embeds nothing; other lists are scored."""
+    gold = GoldEvaluator(GoldParams())
+    texts, subjects = ["Jaws is a wonderful film.", "Dear team, thanks."], ["Jaws (1975)"] * 2
+    first = gold.score(texts, subjects, [2.0, 3.0])
+    calls: list[int] = []
+    real = gold.embedder.embed
+    monkeypatch.setattr(gold.embedder, "embed", lambda xs, *a, **k: calls.append(len(xs)) or
+                        real(xs, *a, **k))
+    assert gold.score(list(texts), list(subjects), [2.0, 3.0]) == first and calls == []
+    changed = gold.score(texts, subjects, [2.0, 9.0])        # another NLL: scored
+    assert calls and changed[1].fluent != first[1].fluent
+
+
 def test_best_of_n_kl_is_analytic() -> None:
     assert best_of_n_kl(1) == 0.0
     assert best_of_n_kl(4) == pytest.approx(math.log(4) - 0.75)
@@ -76,9 +91,9 @@ def test_kl_uses_only_response_tokens() -> None:
 
 
 def test_stored_logprobs_only_when_untempered() -> None:
-    assert untempered(GenerationParams(temperature=1.0, top_p=1.0))
-    assert not untempered(GenerationParams(temperature=0.7, top_p=1.0))
-    assert not untempered(GenerationParams(temperature=1.0, top_p=0.9))
+    assert GenerationParams(temperature=1.0, top_p=1.0).untempered
+    assert not GenerationParams(temperature=0.7, top_p=1.0).untempered
+    assert not GenerationParams(temperature=1.0, top_p=0.9).untempered
 
 
 def test_judge_gold_gap_flags_hacking() -> None:

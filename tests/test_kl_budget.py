@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from tasks.models import lm, sampling
 from tasks.models.tiny_model import build_tiny_model
+from tasks.policy import kl_budget
 from tasks.policy.dpo import train_dpo
 from tasks.policy.kl_budget import KLGuard, guard_prompts
 from tasks.reward.features import EncodedPair
@@ -38,6 +40,7 @@ class Scripted:
     budget: KLBudgetParams
     policy: torch.nn.Module
     seen: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    start_known: float | None = None
     start: float = 0.0
     target: float = 0.0
     measured: list[tuple[int, float]] = field(default_factory=list)
@@ -88,19 +91,82 @@ def test_within_the_budget_every_step_is_kept():
     assert m["update/steps_kept"] == 7.0
 
 
-def test_the_measurement_is_zero_at_the_reference_and_grows_as_the_policy_moves():
-    """KL(pi || ref) of a policy equal to its reference is 0 exactly (the same weights, the same
-    passes); after training on pairs it is positive. Sampled untempered, as evaluate does."""
-    policy, ref = _model(), _model()
-    gen = GenerationParams(max_new_tokens=8, temperature=1.0, top_p=1.0, batch_size=8)
+def _prompts() -> list[tuple[int, ...]]:
     prompts = guard_prompts([p.prompt_ids for p in _pairs(16)] * 2, 8)
     assert len(prompts) == 8 and len(set(prompts)) == 8
-    guard = KLGuard(policy, ref, prompts, gen, KLBudgetParams(total=1e9), 2, 0,
+    return prompts
+
+
+def test_the_measurement_is_zero_at_the_reference_and_grows_as_the_policy_moves():
+    """Sampled at temperature 0.7 the policy's log-probs come from its forward pass (at
+    temperature 1): KL(pi || ref) of a policy equal to its reference is 0 exactly, the same
+    weights in the same passes on the same inputs; after training on pairs it is positive."""
+    policy, ref = _model(), _model()
+    gen = GenerationParams(max_new_tokens=8, temperature=0.7, top_p=1.0, batch_size=8)
+    guard = KLGuard(policy, ref, _prompts(), gen, KLBudgetParams(total=1e9), 2, 0,
                     torch.Generator().manual_seed(0))
     assert guard.measure() == 0.0
     train_dpo(policy, ref, _pairs(16), p=DPOParams(lr=5e-2, epochs=4, batch_size=4), pad_id=0,
               rng=torch.Generator().manual_seed(0))
     assert guard.measure() > 0.1
+
+
+def _forward_k1(policy: torch.nn.Module, ref: torch.nn.Module, prompts: list[tuple[int, ...]],
+                gen: GenerationParams, seed: int) -> tuple[float, float]:
+    """The k1 estimate with both sides by forward passes on the samples the guard draws with
+    `seed`; and the mean response length."""
+    samples = sampling.sample(policy, prompts, batch_size=gen.batch_size,
+                              max_new_tokens=gen.max_new_tokens, eos_id=2, pad_id=0,
+                              temperature=1.0, top_p=1.0,
+                              generator=torch.Generator().manual_seed(seed))
+    responses = [x.response_ids for x in samples]
+    with torch.no_grad():
+        pi, mask = lm.response_logprobs(policy, prompts, responses, 0)
+        rf, _ = lm.response_logprobs(ref, prompts, responses, 0)
+    return float(((pi - rf) * mask).sum()) / len(samples), float(mask.sum()) / len(samples)
+
+
+def test_untempered_the_policy_side_is_the_samplers_stored_logprobs(monkeypatch):
+    """Sampled untempered (evaluate's default), the guard runs the reference's forward pass
+    only: the policy's log-probs are the ones the sampler stored. The estimate agrees with the
+    one from two forward passes within the sampler's tolerance (1e-3 per token), at the
+    reference and after training; not bit for bit (the sampler's incremental decoding and a
+    full pass sum in different orders)."""
+    policy, ref = _model(), _model()
+    train_dpo(policy, ref, _pairs(16), p=DPOParams(lr=5e-2, epochs=4, batch_size=4), pad_id=0,
+              rng=torch.Generator().manual_seed(0))
+    gen = GenerationParams(max_new_tokens=8, temperature=1.0, top_p=1.0, batch_size=8)
+    prompts = _prompts()
+    called: list[torch.nn.Module] = []
+    real = lm.response_logprobs
+
+    def spy(model, *a, **k):
+        called.append(model)
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(kl_budget.lm, "response_logprobs", spy)
+    for pol in (ref, policy):
+        called.clear()
+        got = KLGuard(pol, ref, prompts, gen, KLBudgetParams(total=1e9), 2, 0,
+                      torch.Generator().manual_seed(5)).measure()
+        assert called and all(m is ref for m in called)
+        want, tokens = _forward_k1(pol, ref, prompts, gen, 5)
+        assert tokens > 1
+        assert abs(got - want) <= 1e-3 * tokens
+    assert want > 0.1                          # the trained policy moved: not a vacuous match
+
+
+def test_a_known_start_is_not_measured():
+    """From the initial model itself the start is 0: begin() takes it without sampling."""
+    g = KLGuard(None, None, [], GenerationParams(), KLBudgetParams(18.0, 5.0), 2, 0,
+                torch.Generator(), start_known=0.0)                   # type: ignore[arg-type]
+
+    def never() -> float:
+        raise AssertionError("measured a known start")
+
+    g.measure = never                                                  # type: ignore[method-assign]
+    g.begin()
+    assert (g.start, g.target, g.measured) == (0.0, 5.0, [(0, 0.0)])
 
 
 @pytest.mark.parametrize("start, per_iteration, total, target", [

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -108,6 +108,8 @@ class GoldEvaluator:
     p: GoldParams
     root: Path = Path(".")          # the workspace: register_examples_file is relative to it
     device: Device = "cpu"          # the embedder's (and so the review check's)
+    scored: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[float, ...]],
+                 list[GoldScore]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def embedder(self) -> SentenceEmbedder:
@@ -138,6 +140,16 @@ class GoldEvaluator:
 
     def score(self, responses: Sequence[str], subjects: Sequence[str],
               nll: Sequence[float]) -> list[GoldScore]:
+        """Each response's gold score. The same lists scored again (evaluate compares the
+        candidate's select responses with the champion's and with the reference's) are read
+        back, not embedded again: the same values a second pass in the same batches gives."""
+        key = (tuple(responses), tuple(subjects), tuple(float(n) for n in nll))
+        if key not in self.scored:
+            self.scored[key] = self._score(responses, subjects, nll)
+        return list(self.scored[key])
+
+    def _score(self, responses: Sequence[str], subjects: Sequence[str],
+               nll: Sequence[float]) -> list[GoldScore]:
         sims = self.similarity(responses, subjects).tolist()
         registers = self.register_check.register(responses)
         return [GoldScore(s, sim, n, sim >= self.p.on_topic_threshold, n <= self.p.max_nll,

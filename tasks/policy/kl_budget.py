@@ -12,8 +12,14 @@ that was within the target (its weights restored): early stopping at a target KL
 `target_kl` (Schulman et al. 2017; OpenAI Spinning Up), applied to the distance from the
 reference rather than from the previous step.
 
+Sampled untempered (`evaluate.generation` at temperature 1 without a nucleus), the policy's
+log-probs are the sampler's own, stored with each sample (as evaluate reads them): a
+measurement runs the reference's forward pass alone. Sampled otherwise, the policy's are
+computed by a forward pass at temperature 1.
+
 The target of iteration k: the KL of the policy it starts from (measured the same way before
-the first step) plus `per_iteration`, and never more than `total`. With `total` set under
+the first step; 0 without measuring when it starts from the initial model itself, `start_known`)
+plus `per_iteration`, and never more than `total`. With `total` set under
 `gate.max_kl`, every candidate is within what the gate accepts, whatever its start; near the
 total, the loop moves in smaller steps rather than overshooting and being refused.
 """
@@ -40,6 +46,7 @@ class KLGuard:
     eos_id: int
     pad_id: int
     rng: torch.Generator
+    start_known: float | None = None      # the start's KL, not measured (0: the initial model)
     start: float = float("nan")
     target: float = float("nan")
     measured: list[tuple[int, float]] = field(default_factory=list)   # (step, KL)
@@ -58,16 +65,17 @@ class KLGuard:
                 chunk = samples[s: s + 32]
                 prompts = [self.prompts[s + i] for i in range(len(chunk))]
                 responses = [x.response_ids for x in chunk]
-                pi, mask = lm.response_logprobs(self.policy, prompts, responses, self.pad_id)
-                ref, _ = lm.response_logprobs(self.ref, prompts, responses, self.pad_id)
+                ref, mask = lm.response_logprobs(self.ref, prompts, responses, self.pad_id)
+                pi = (stored_logprobs(chunk, ref) if self.gen.untempered else
+                      lm.response_logprobs(self.policy, prompts, responses, self.pad_id)[0])
                 total += float(((pi.float() - ref.float()) * mask).sum())
         if was_training:
             self.policy.train()
         return total / max(len(samples), 1)
 
     def begin(self) -> None:
-        """The start's KL and the iteration's target."""
-        self.start = self.measure()
+        """The start's KL (measured unless known) and the iteration's target."""
+        self.start = self.measure() if self.start_known is None else self.start_known
         self.measured.append((0, self.start))
         b = self.budget
         self.target = min(self.start + b.per_iteration if b.per_iteration > 0 else b.total,
@@ -88,6 +96,16 @@ class KLGuard:
                 "update/steps_kept": float(step),
                 "update/kl_stopped": float(stopped_at is not None),
                 "update/kl_checks": float(len(self.measured))}
+
+
+def stored_logprobs(samples: Sequence[sampling.Sample], like: torch.Tensor) -> torch.Tensor:
+    """The samples' stored per-token log-probs as a (B, R) tensor shaped, typed and placed like
+    `like` (response_logprobs' output for the same responses), zero past each response."""
+    out = torch.zeros(like.shape, dtype=torch.float32)   # cpu: filled from host lists, then moved
+    for i, x in enumerate(samples):
+        row = torch.tensor(x.logprobs, dtype=torch.float32)   # cpu: host values
+        out[i, : len(row)] = row
+    return out.to(like.device)
 
 
 def guard_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> list[tuple[int, ...]]:

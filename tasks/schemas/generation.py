@@ -12,3 +12,9 @@ class GenerationParams:
                                     #   temperatures)
     top_p: float = 1.0              # nucleus mass (1.0 = off)
     batch_size: int = 16            # sequences sampled together (a shard per core)
+
+    @property
+    def untempered(self) -> bool:
+        """Sampled at temperature 1 without a nucleus: a sample's stored per-token log-probs
+        are the policy's own (within the sampler's 1e-3 of a full forward pass)."""
+        return self.temperature == 1.0 and self.top_p >= 1.0

@@ -78,11 +78,6 @@ CONTRACT = stage.Contract(
     metrics=lambda it, prev: (layout.metrics(it, "evaluate"),))
 
 
-def untempered(gen: GenerationParams) -> bool:
-    """Sampled at temperature 1 without a nucleus: the stored log-probs are the policy's own."""
-    return gen.temperature == 1.0 and gen.top_p >= 1.0
-
-
 def padded(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged per-token values (host lists) to (B, R) values and mask, on the CPU: the metrics
     are computed there from values read back from the device."""
@@ -257,9 +252,9 @@ class LogProbs:
     def of(policy: torch.nn.Module, ref: torch.nn.Module, pol: Sequence[Rollout],
            refs: Sequence[Rollout], gen: GenerationParams, pad: int) -> LogProbs:
         ref_on_pol, mask = token_logprobs(ref, pol, pad)
-        pol_logp = (padded([s.logprobs for s in pol])[0] if untempered(gen)
+        pol_logp = (padded([s.logprobs for s in pol])[0] if gen.untempered
                     else token_logprobs(policy, pol, pad)[0])
-        ref_logp, ref_mask = (padded([s.logprobs for s in refs]) if untempered(gen)
+        ref_logp, ref_mask = (padded([s.logprobs for s in refs]) if gen.untempered
                               else token_logprobs(ref, refs, pad))
         return LogProbs(ref_on_pol, mask, pol_logp, ref_logp, ref_mask)
 

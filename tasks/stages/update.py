@@ -146,7 +146,7 @@ def run_dpo(models: Models, tok: Tokenizer, p: Params, root: Path, it: int, rng:
                         f"{d.max_staleness}); bring a book with `alignloop import`")
     weights = torch.cat([torch.ones(len(onpolicy)), off_weights.float()]).to(device_of(policy))
     curve: list[dict[str, float]] = []
-    guard = kl_guard(models, tok, p, [x.prompt_ids for x in onpolicy or offpolicy],
+    guard = kl_guard(models, tok, p, it, [x.prompt_ids for x in onpolicy or offpolicy],
                      stage.generator(p.seed, 10, it))
     metrics.update(train_dpo(policy, ref, onpolicy + offpolicy, p=d, pad_id=pad, rng=rng,
                              weights=weights, group=group, curve=curve, guard=guard))
@@ -200,16 +200,19 @@ def reused_pairs(models: Models, tok: Tokenizer, p: Params, root: Path, it: int,
     return encoded, weights, metrics
 
 
-def kl_guard(models: Models, tok: Tokenizer, p: Params, prompts: list[tuple[int, ...]],
-             rng: torch.Generator) -> KLGuard | None:
+def kl_guard(models: Models, tok: Tokenizer, p: Params, it: int,
+             prompts: list[tuple[int, ...]], rng: torch.Generator) -> KLGuard | None:
     """The KL budget's guard (tasks/policy/kl_budget.py) on this iteration's on-policy prompts,
-    against the initial model; None when the profile sets no budget."""
+    against the initial model; None when the profile sets no budget. Starting from the initial
+    model (prev 0; a LoRA policy's new adapter changes nothing before its first step), the
+    start's KL is 0 and is not measured."""
     b = p.update.kl_budget
     if b.total <= 0:
         return None
     return KLGuard(models.policy, models.initial(), guard_prompts(prompts, b.n_prompts),
                    p.evaluate.generation,
-                   b, tok.eos_token_id, tok.pad_token_id, rng)
+                   b, tok.eos_token_id, tok.pad_token_id, rng,
+                   start_known=0.0 if stage.prev_of(p, it) == 0 else None)
 
 
 def _scores(rm: torch.nn.Module, stats: dict[str, float], rollouts: list[Rollout],
