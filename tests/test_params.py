@@ -380,3 +380,22 @@ def test_lora_profiles_differ_from_their_base_only_in_the_adapter(name: str, bas
     assert full[("update", "lora", "r")] == 0 and lora[("update", "lora", "r")] > 0
     own = yaml.safe_load((PARAMS_DIR / name).read_text())
     assert set(own) == {"base", "update"} and own["base"] == base
+
+
+# --- train_rm.freeze_layers: below the blocks the reward model keeps ----------------------------
+
+@pytest.mark.parametrize("lines, expected", [
+    ("  num_layers: 4\n  freeze_layers: 4\n", "9: train_rm.freeze_layers: must be below the "
+     "blocks the reward model keeps (4: the last one trains), got 4"),
+    ("  num_layers_grid: [3, 6]\n  freeze_layers: 3\n", "9: train_rm.freeze_layers: must be "
+     "below the blocks the reward model keeps (3: the last one trains), got 3"),
+    ("  freeze_layers: -1\n", "8: train_rm.freeze_layers: must be >= 0"),
+], ids=["at-depth", "at-grid-min", "negative"])
+def test_freeze_layers_out_of_range(tmp_path: Path, lines: str, expected: str) -> None:
+    path = write(tmp_path, BASE.replace("  epochs: 2\n", "  epochs: 2\n" + lines))
+    assert load_error(path) == f"{path}:{expected}"
+
+
+def test_freeze_layers_below_the_depth_loads() -> None:
+    text = BASE.replace("  epochs: 2\n", "  epochs: 2\n  num_layers: 4\n  freeze_layers: 3\n")
+    assert parse_params(text).train_rm.freeze_layers == 3

@@ -355,12 +355,16 @@ def _check_dpo_and_rm(p: Params, b: _Builder) -> None:
         b.fail(("train_rm", "margin"), "must be >= 0")
     if rm.ensemble < 1:
         b.fail(("train_rm", "ensemble"), "must be >= 1")
-    for key in ("audit_top_n", "audit_random_n", "num_layers", "stats_pairs"):
+    for key in ("audit_top_n", "audit_random_n", "num_layers", "stats_pairs", "freeze_layers"):
         if getattr(rm, key) < 0:
             b.fail(("train_rm", key), "must be >= 0")
     if any(n < 1 for n in rm.num_layers_grid):
         b.fail(("train_rm", "num_layers_grid"), f"every entry must be >= 1, got "
                f"{list(rm.num_layers_grid)}")
+    kept = min(rm.num_layers_grid) if rm.num_layers_grid else rm.num_layers
+    if rm.freeze_layers > 0 and 0 < kept <= rm.freeze_layers:
+        b.fail(("train_rm", "freeze_layers"), f"must be below the blocks the reward model keeps "
+               f"({kept}: the last one trains), got {rm.freeze_layers}")
     for path, n in ((("train_rm", "processes"), rm.processes),
                     (("update", "processes"), p.update.processes)):
         if n < 1:

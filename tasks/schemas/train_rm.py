@@ -29,6 +29,10 @@ class TrainRMParams:
                                     #   L2 by 5-fold CV over the training prompts, before any
                                     #   fine-tuning epochs (empty, or fewer than 5 training
                                     #   prompts: num_layers as is)
+    freeze_layers: int = 0          # fine-tuning keeps the embeddings and the backbone's first N
+                                    #   blocks as loaded (partial fine-tuning: no backward pass
+                                    #   through them, no optimiser state for them); 0 = every weight
+                                    #   trains. At most num_layers - 1 (the last block trains)
     pooling: Literal["last", "mean"] = "last"  # what the head reads: last (HF's last token) | mean
                                     #   (the mean state over the response)
     head_init: Literal["random", "probe"] = "random"  # random | probe (the head fitted first on
