@@ -259,6 +259,22 @@ def test_rm_depth_reports_every_depth_and_picks_as_train_rm_would(tiny_run) -> N
     assert out["cv_pick"] == ours or abs(loss[out["cv_pick"]] - loss[ours]) <= 1e-4, loss
 
 
+def test_rm_freeze_times_every_setting_on_the_same_batches(tiny_run) -> None:
+    """benchmarks/rm_freeze.py on the shared tiny run's pool: a row per setting with its
+    forward, backward and AdamW seconds and its ratio to the first, stamped with commit, CPU
+    and precision (no figure is asserted: timings live in the benchmark's output)."""
+    import subprocess
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rm_freeze", "--workspace",
+                           str(tiny_run["ws"]), "--freeze", "0,1", "--steps", "3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(out["settings"]) == {"0", "1"} and out["settings"]["0"]["ratio"] == 1.0
+    assert out["commit"] and out["cpu"] and out["precision"] in ("fp32", "bf16")
+    assert all(r["step"] > 0 and r["backward"] > 0 for r in out["settings"].values())
+    assert "freeze_layers  1:" in proc.stdout
+
+
 def test_book_benchmark_counts_loop_minutes_and_checks_its_targets(tmp_path) -> None:
     from benchmarks import book
     seconds = {"prompts": 1.0, "reference_samples": 60.0, "rollout@1": 20.0, "update@1": 70.0,

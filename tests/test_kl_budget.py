@@ -167,6 +167,10 @@ def test_a_known_start_is_not_measured():
     g.measure = never                                                  # type: ignore[method-assign]
     g.begin()
     assert (g.start, g.target, g.measured) == (0.0, 5.0, [(0, 0.0)])
+    g.measure = lambda: 4.0                                            # type: ignore[method-assign]
+    assert g.within(4)
+    m = g.metrics(stopped_at=None)
+    assert (m["update/kl_checks"], m["update/kl_start"], m["update/kl_kept"]) == (1.0, 0.0, 4.0)
 
 
 @pytest.mark.parametrize("start, per_iteration, total, target", [

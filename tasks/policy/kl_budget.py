@@ -88,14 +88,15 @@ class KLGuard:
 
     def metrics(self, stopped_at: int | None) -> dict[str, float]:
         """The budget's record: start, target, the last measurement, the kept state's KL and
-        step (the last measurement within the target), whether training was stopped."""
+        step (the last measurement within the target), whether training was stopped, and how
+        many measurements were taken (a known start is not one)."""
         step, kl = next(((s, k) for s, k in reversed(self.measured)
                          if stopped_at is None or s < stopped_at), (0, self.start))
         return {"update/kl_start": self.start, "update/kl_target": self.target,
                 "update/kl_last": self.measured[-1][1], "update/kl_kept": kl,
                 "update/steps_kept": float(step),
                 "update/kl_stopped": float(stopped_at is not None),
-                "update/kl_checks": float(len(self.measured))}
+                "update/kl_checks": float(len(self.measured) - (self.start_known is not None))}
 
 
 def stored_logprobs(samples: Sequence[sampling.Sample], like: torch.Tensor) -> torch.Tensor:
