@@ -126,13 +126,19 @@ def _forward_k1(policy: torch.nn.Module, ref: torch.nn.Module, prompts: list[tup
     return float(((pi - rf) * mask).sum()) / len(samples), float(mask.sum()) / len(samples)
 
 
-def test_untempered_the_policy_side_is_the_samplers_stored_logprobs(monkeypatch):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_untempered_the_policy_side_is_the_samplers_stored_logprobs(monkeypatch, lora):
     """Sampled untempered (evaluate's default), the guard runs the reference's forward pass
     only: the policy's log-probs are the ones the sampler stored. The estimate agrees with the
     one from two forward passes within the sampler's tolerance (1e-3 per token), at the
-    reference and after training; not bit for bit (the sampler's incremental decoding and a
-    full pass sum in different orders)."""
+    reference and after training, for a full policy and a LoRA one (PEFT's model, its adapter
+    unmerged, as the update trains it); not bit for bit (the sampler's incremental decoding
+    and a full pass sum in different orders)."""
     policy, ref = _model(), _model()
+    if lora:
+        import peft
+        policy = peft.get_peft_model(policy, peft.LoraConfig(r=4, lora_alpha=8,
+                                                             target_modules=["q_proj", "v_proj"]))
     train_dpo(policy, ref, _pairs(16), p=DPOParams(lr=5e-2, epochs=4, batch_size=4), pad_id=0,
               rng=torch.Generator().manual_seed(0))
     gen = GenerationParams(max_new_tokens=8, temperature=1.0, top_p=1.0, batch_size=8)
