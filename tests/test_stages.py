@@ -390,6 +390,28 @@ def test_dpo_update_changed_the_policy(ws: Workspace) -> None:
         ("dpo", layout.policy(0), layout.policy(0))
 
 
+def test_a_kl_budget_from_the_initial_model_measures_no_start_and_trains_the_same(
+        ws: Workspace, tmp_path: Path) -> None:
+    """update@1 (prev 0) rerun in a copy with a KL budget too large to stop it, checked after
+    every step: its start is the initial model's 0, taken without a measurement
+    (`update/kl_checks` counts one per step, none before it), and the weights are the run's
+    without a budget (the measurements sample with their own generator and change nothing they
+    measure). The tiny update's two steps move the policy too little for the sign of a k1
+    estimate on a few samples to mean anything: its value is not asserted."""
+    again = copy_workspace(ws, tmp_path / "ws")
+    params = again.path(layout.PARAMS_FILE)
+    text = params.read_text().replace(
+        "\nupdate:\n", "\nupdate:\n  kl_budget:\n    total: 1000.0\n    check_every: 1\n", 1)
+    assert text != params.read_text()
+    params.write_text(text)
+    run(update.main, again.root, 1)
+    m = again.metrics(layout.metrics(1, "update"))
+    assert (m["update/kl_start"], m["update/kl_stopped"]) == (0.0, 0.0)
+    assert m["update/kl_checks"] == m["update/steps"] > 0
+    assert math.isfinite(m["update/kl_last"])
+    assert not changed(again.weights(layout.policy(1)), ws.weights(layout.policy(1)))
+
+
 def test_initial_policy_untouched_by_the_loop(ws: Workspace) -> None:
     assert lm.weights_md5(ws.path(layout.policy(0))) == ws.policy0_md5
 
