@@ -8,8 +8,8 @@ import torch
 
 from tasks.config.params import GenerationParams, GoldParams, MonitorParams
 from tasks.evaluation.gold import GoldEvaluator, GoldScore, gold_verdict, subject_title
-from tasks.models.lm import mean_nll
-from tasks.stages.evaluate import best_of_n_kl, hacking_flags, kl_per_response, padded
+from tasks.models.lm import mean_nll, padded
+from tasks.stages.evaluate import best_of_n_kl, hacking_flags, kl_per_response
 
 
 def g(sentiment: float = 0.0, on_topic: bool = True, fluent: bool = True) -> GoldScore:

@@ -366,6 +366,18 @@ def sequence_logprob(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     return (logp * mask).sum(-1)
 
 
+def padded(rows: Sequence[Sequence[float]]) -> tuple[Tensor, Tensor]:
+    """Ragged per-token values (host lists: a sample's stored log-probs) to (B, R) values and
+    mask, on the CPU: the metrics are computed there from values read back from the device."""
+    width = max((len(r) for r in rows), default=0)
+    vals = torch.zeros((len(rows), width))   # cpu: host-side metric arithmetic
+    mask = torch.zeros((len(rows), width))   # cpu: host-side metric arithmetic
+    for i, r in enumerate(rows):
+        vals[i, : len(r)] = torch.tensor(r, dtype=torch.float32)  # cpu: host-side metric arithmetic
+        mask[i, : len(r)] = 1
+    return vals, mask
+
+
 def mean_nll(logprobs: Tensor, mask: Tensor) -> list[float]:
     """Per-response mean NLL from (B, R) token log-probs and mask; empty responses get +inf
     (nothing said is not fluent)."""

@@ -66,7 +66,8 @@ class KLGuard:
                 prompts = [self.prompts[s + i] for i in range(len(chunk))]
                 responses = [x.response_ids for x in chunk]
                 ref, mask = lm.response_logprobs(self.ref, prompts, responses, self.pad_id)
-                pi = (stored_logprobs(chunk, ref) if self.gen.untempered else
+                pi = (lm.padded([x.logprobs for x in chunk])[0].to(ref.device)
+                      if self.gen.untempered else
                       lm.response_logprobs(self.policy, prompts, responses, self.pad_id)[0])
                 total += float(((pi.float() - ref.float()) * mask).sum())
         if was_training:
@@ -97,16 +98,6 @@ class KLGuard:
                 "update/steps_kept": float(step),
                 "update/kl_stopped": float(stopped_at is not None),
                 "update/kl_checks": float(len(self.measured) - (self.start_known is not None))}
-
-
-def stored_logprobs(samples: Sequence[sampling.Sample], like: torch.Tensor) -> torch.Tensor:
-    """The samples' stored per-token log-probs as a (B, R) tensor shaped, typed and placed like
-    `like` (response_logprobs' output for the same responses), zero past each response."""
-    out = torch.zeros(like.shape, dtype=torch.float32)   # cpu: filled from host lists, then moved
-    for i, x in enumerate(samples):
-        row = torch.tensor(x.logprobs, dtype=torch.float32)   # cpu: host values
-        out[i, : len(row)] = row
-    return out.to(like.device)
 
 
 def guard_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> list[tuple[int, ...]]:

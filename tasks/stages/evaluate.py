@@ -58,7 +58,7 @@ from tasks.models.generation import (
     sample_rollouts,
     select_responses,
 )
-from tasks.models.lm import mean_nll
+from tasks.models.lm import mean_nll, padded
 from tasks.reward.reward_model import load_reward_model, reward_mean_std
 from tasks.schemas.evaluate import MonitorParams
 from tasks.schemas.generation import GenerationParams
@@ -76,18 +76,6 @@ CONTRACT = stage.Contract(
     outs=lambda it, prev: (layout.eval_samples(it), layout.select_samples(it),
                            layout.redteam_samples(it)),
     metrics=lambda it, prev: (layout.metrics(it, "evaluate"),))
-
-
-def padded(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged per-token values (host lists) to (B, R) values and mask, on the CPU: the metrics
-    are computed there from values read back from the device."""
-    width = max((len(r) for r in rows), default=0)
-    vals = torch.zeros((len(rows), width))   # cpu: host-side metric arithmetic
-    mask = torch.zeros((len(rows), width))   # cpu: host-side metric arithmetic
-    for i, r in enumerate(rows):
-        vals[i, : len(r)] = torch.tensor(r, dtype=torch.float32)  # cpu: host-side metric arithmetic
-        mask[i, : len(r)] = 1
-    return vals, mask
 
 
 @torch.no_grad()
