@@ -3,6 +3,7 @@ loop, scaled down to one short iteration: minutes, so `slow` (CI runs it; `make 
 from __future__ import annotations
 
 import json
+import math
 import platform
 
 import pytest
@@ -30,6 +31,12 @@ def test_default_model_one_small_iteration_end_to_end(tmp_path):
     report = json.loads(run_cli("report", "--workspace", str(ws), "--json").stdout)["1"]
     assert report["eval/n"] == 16 and 0.0 <= report["eval/win_rate"] <= 1.0
     assert report["update/steps"] > 0
+    # the profile's KL budget on the real model: iteration 1 starts from the initial model, so
+    # its start is 0 without a measurement; a check every `check_every` steps and after the last
+    every = params["update"]["kl_budget"]["check_every"]
+    assert report["update/kl_start"] == 0.0
+    assert report["update/kl_checks"] == math.ceil(report["update/steps"] / every)
+    assert math.isfinite(report["update/kl_last"])
     # precision auto: bf16 exactly where the CPU has bf16 matmuls in hardware (AVX512-BF16 or
     # AMX, read from the kernel's CPU flags, not asked of torch), fp32 elsewhere (an AVX2 CPU,
     # or an AVX512 one without the extension, where bf16 is emulated); the report says which
