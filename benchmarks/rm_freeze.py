@@ -1,8 +1,11 @@
-"""What `train_rm.freeze_layers` saves: the reward model's fine-tuning step with every weight
-training and with the embeddings and the first N blocks frozen, side by side in one run, on a
-workspace's own pair pool.
+"""What `train_rm.freeze_layers` and `freeze_embeddings` save: the reward model's fine-tuning
+step with every weight training, with the embeddings alone kept, and with the embeddings and
+the first N blocks frozen, side by side in one run, on a workspace's own pair pool.
 
-    python -m benchmarks.rm_freeze --workspace WS [--it 2] [--freeze 0,3,6] [--steps 6]
+    python -m benchmarks.rm_freeze --workspace WS [--it 2] [--freeze 0,e,3,6] [--steps 6]
+
+A setting is a number of blocks N (`freeze_layers: N`; above 0 the embeddings are frozen with
+them) or `e`, the embeddings alone (`freeze_embeddings: true`).
 
 Builds one reward model per setting as `train_rm@<it>` does (its params' depth, pooling and
 learning rate; the head from the same seed), then takes the same batches of the pool's
@@ -45,10 +48,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--workspace", type=Path, required=True)
     ap.add_argument("--it", type=int, default=2)
-    ap.add_argument("--freeze", default="0,3,6", help="settings of freeze_layers, first = base")
+    ap.add_argument("--freeze", default="0,e,3,6",
+                    help="settings: freeze_layers N, or e (the embeddings alone); first = base")
     ap.add_argument("--steps", type=int, default=6, help="steps per setting, the first a warm-up")
     args = ap.parse_args()
-    ws, settings = args.workspace, [int(x) for x in args.freeze.split(",")]
+    ws, settings = args.workspace, args.freeze.split(",")
+    if any(x != "e" and not x.isdigit() for x in settings):
+        raise SystemExit(f"--freeze: settings are block counts or e, got {args.freeze!r}")
     p = load_params(str(ws / layout.PARAMS_FILE))
     rp = p.train_rm
     path = str(ws / layout.pairs_pool(args.it))
@@ -64,7 +70,8 @@ def main() -> None:
         model = init_reward_model(ws / layout.policy(0), torch.Generator().manual_seed(p.seed),
                                   rp.num_layers)
         model.train()
-        runs.append((model, torch.optim.AdamW(freeze_lower(model, n), lr=rp.lr)))
+        trained = freeze_lower(model, 0, True) if n == "e" else freeze_lower(model, int(n))
+        runs.append((model, torch.optim.AdamW(trained, lr=rp.lr)))
     times = {n: {"forward": 0.0, "backward": 0.0, "optimiser": 0.0} for n in settings}
     for i, batch in enumerate(batches):
         for n, (model, opt) in zip(settings, runs):
@@ -92,9 +99,10 @@ def main() -> None:
     rows = {}
     for n in settings:
         step = sum(times[n].values())
-        rows[str(n)] = {**{k: round(v, 3) for k, v in times[n].items()},
+        rows[n] = {**{k: round(v, 3) for k, v in times[n].items()},
                         "step": round(step, 3), "ratio": round(step / base, 3)}
-        print(f"freeze_layers {n:>2}: forward {times[n]['forward']:.2f} s, backward "
+        label = "embeddings only " if n == "e" else f"freeze_layers {n:>2}"
+        print(f"{label}: forward {times[n]['forward']:.2f} s, backward "
               f"{times[n]['backward']:.2f} s, AdamW {times[n]['optimiser']:.2f} s, step "
               f"{step:.2f} s ({step / base:.2f}x)")
     print(json.dumps({**head, "settings": rows}))

@@ -265,14 +265,34 @@ def test_rm_freeze_times_every_setting_on_the_same_batches(tiny_run) -> None:
     and precision (no figure is asserted: timings live in the benchmark's output)."""
     import subprocess
     proc = subprocess.run([sys.executable, "-m", "benchmarks.rm_freeze", "--workspace",
-                           str(tiny_run["ws"]), "--freeze", "0,1", "--steps", "3"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                           str(tiny_run["ws"]), "--freeze", "0,e,1", "--steps", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(out["settings"]) == {"0", "1"} and out["settings"]["0"]["ratio"] == 1.0
+    assert set(out["settings"]) == {"0", "e", "1"} and out["settings"]["0"]["ratio"] == 1.0
     assert out["commit"] and out["cpu"] and out["precision"] in ("fp32", "bf16")
     assert all(r["step"] > 0 and r["backward"] > 0 for r in out["settings"].values())
-    assert "freeze_layers  1:" in proc.stdout
+    assert "freeze_layers  1:" in proc.stdout and "embeddings only :" in proc.stdout
+
+
+def test_stage_startup_times_each_stage_program_beside_the_references() -> None:
+    """benchmarks/stage_startup.py: a median per reference and per stage started as DVC starts
+    it (its module-level imports and exit, up to argument parsing), their sum, and the commit
+    and CPU (no figure is asserted: timings live in the benchmark's output); an unknown stage
+    is refused in one line."""
+    import subprocess
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.stage_startup", "--stages",
+                           "gate,judge", "--repeat", "1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(out["seconds"]) == {"interpreter", "torch + transformers models", "gate", "judge"}
+    assert abs(out["per_iteration"] - out["seconds"]["gate"] - out["seconds"]["judge"]) < 2e-3
+    assert out["commit"] and out["cpu"] and all(v > 0 for v in out["seconds"].values())
+    assert "tasks.stages.judge" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.stage_startup", "--stages", "nope"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines() == ["--stages: unknown ['nope']"]
 
 
 def test_book_benchmark_counts_loop_minutes_and_checks_its_targets(tmp_path) -> None:

@@ -156,10 +156,16 @@ def test_stats_come_from_spaced_training_pairs_held_out_accuracy_from_all(tmp_pa
     assert some["rm/accuracy"] == every["rm/accuracy"]
 
 
-def test_freeze_layers_trains_only_the_blocks_above_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize("settings,frozen", [
+    ({"freeze_layers": 1}, ("model.embed_tokens.", "model.layers.0.")),
+    ({"freeze_embeddings": True}, ("model.embed_tokens.",)),
+])
+def test_freeze_layers_trains_only_the_blocks_above_them(
+        tmp_path: Path, settings: dict[str, object], frozen: tuple[str, ...]) -> None:
     """`freeze_layers: 1` on a two-block backbone: the embeddings and block 0 end as they were
     loaded, no gradient ever reached them (autograd stopped above them), block 1, the norm and
-    the head moved, and the Bradley-Terry loss on the training pairs fell."""
+    the head moved, and the Bradley-Terry loss on the training pairs fell. With
+    `freeze_embeddings` alone the embeddings are kept and both blocks train."""
     from tasks.config.params import TinyModelParams, TrainRMParams
     from tasks.models.tiny_model import save_tiny
     from tasks.reward.reward_model import init_reward_model, pair_margins, train_reward
@@ -170,9 +176,9 @@ def test_freeze_layers_trains_only_the_blocks_above_them(tmp_path: Path) -> None
     ens = RewardEnsemble([model], "fp32", "mean")
     loss = lambda: float(torch.nn.functional.softplus(-pair_margins(ens, pairs, 0)).mean())
     start = loss()
-    p = TrainRMParams(pooling="mean", epochs=3, lr=3e-3, batch_size=8, freeze_layers=1)
+    p = TrainRMParams(pooling="mean", epochs=3, lr=3e-3, batch_size=8,
+                      **settings)  # type: ignore[arg-type]
     train_reward(model, pairs, p, 0, torch.Generator().manual_seed(1))
-    frozen = ("model.embed_tokens.", "model.layers.0.")
     for k, q in model.named_parameters():
         moved = not torch.equal(q.detach(), before[k])
         assert moved != k.startswith(frozen), k

@@ -343,7 +343,7 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
     On several ranks (`group`) each takes its shard of every batch and the gradients are
     summed (tasks/runtime/distributed.py): the same steps as one process."""
     t0 = time.perf_counter()
-    trained = freeze_lower(model, p.freeze_layers)
+    trained = freeze_lower(model, p.freeze_layers, p.freeze_embeddings)
     opt = torch.optim.AdamW(trained, lr=p.lr, weight_decay=p.weight_decay)
     losses: list[float] = []
     pg = progress.track(p.epochs * -(-len(train) // p.batch_size), "steps", "pairs")
@@ -375,15 +375,19 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
             "loss_last": losses[-1] if losses else float("nan"), "steps": float(len(losses))}
 
 
-def freeze_lower(model: transformers.PreTrainedModel, n: int) -> list[torch.nn.Parameter]:
+def freeze_lower(model: transformers.PreTrainedModel, n: int,
+                 embeddings: bool = False) -> list[torch.nn.Parameter]:
     """Keep the embeddings and the backbone's first `n` blocks as they are (requires_grad off:
     autograd records nothing below block n, so the backward pass stops there); returns the
-    parameters left to train. n = 0: every parameter trains."""
-    if n > 0:
-        backbone = getattr(model, model.base_model_prefix)
-        for module in (backbone.get_input_embeddings(), *backbone.layers[:n]):
-            for q in module.parameters():
-                q.requires_grad_(False)
+    parameters left to train. n = 0: every parameter trains, but the embeddings are kept with
+    `embeddings` (their gradient is not accumulated, AdamW neither holds state for them nor
+    steps them: two fifths of a 12-block SmolLM2-135M reward model's weights)."""
+    backbone = getattr(model, model.base_model_prefix)
+    frozen = ([backbone.get_input_embeddings()] if n > 0 or embeddings else []) + list(
+        backbone.layers[:n])
+    for module in frozen:
+        for q in module.parameters():
+            q.requires_grad_(False)
     return [q for q in model.parameters() if q.requires_grad]
 
 

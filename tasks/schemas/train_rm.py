@@ -33,6 +33,10 @@ class TrainRMParams:
                                     #   blocks as loaded (partial fine-tuning: no backward pass
                                     #   through them, no optimiser state for them); 0 = every weight
                                     #   trains. At most num_layers - 1 (the last block trains)
+    freeze_embeddings: bool = False  # fine-tuning keeps the token embeddings as loaded (with
+                                    #   freeze_layers > 0 they are kept anyway): no optimiser
+                                    #   state for the vocabulary's rows, most of which no batch
+                                    #   reads
     pooling: Literal["last", "mean"] = "last"  # what the head reads: last (HF's last token) | mean
                                     #   (the mean state over the response)
     head_init: Literal["random", "probe"] = "random"  # random | probe (the head fitted first on
