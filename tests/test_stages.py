@@ -8,7 +8,7 @@ import json
 import math
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -484,6 +484,39 @@ def test_best_of_n_baseline(ws: Workspace) -> None:
     for i, c in enumerate(picked):
         group = cands[i * p.n: (i + 1) * p.n]
         assert c in group and group.index(c) == int(r[i].argmax())
+
+
+def test_the_policy_and_reference_responses_are_scored_sharing_each_prompt(
+        ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """evaluate's RM scores: each prompt's policy and reference responses in one packed row
+    (the prompt computed once for both), each side's rewards those of scoring it alone up to
+    fp32 rounding (other batch shapes sum in another order)."""
+    from tasks.reward.reward_model import load_reward_model, reward_mean_std
+    from tasks.stages.evaluate import paired_rewards, read_samples
+    rm = load_reward_model(ws.path(layout.reward_model(1)))
+    pad = lm.load_tokenizer(ws.path(layout.policy(0))).pad_token_id
+    refs = read_samples(str(ws.path(layout.REFERENCE_SAMPLES)))
+    pol = [replace(r, response_ids=r.response_ids[::-1]) for r in refs]   # other responses
+    assert len({r.prompt_ids for r in refs}) == len(refs)        # distinct held-out prompts
+    rows: list[tuple[int, int]] = []                # per packed batch: responses, prompts
+    real_pack = lm.pack
+
+    def pack(prompts, *args, **kwargs):  # type: ignore[no-untyped-def]
+        rows.append((len(prompts), len({tuple(x) for x in prompts})))
+        return real_pack(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(lm, "pack", pack)
+    (r_pol, sd_pol), (r_ref, _) = paired_rewards(rm, pol, refs, pad)
+    monkeypatch.undo()
+    assert sum(n for n, _ in rows) == 2 * len(refs)
+    assert all(n == 2 * distinct for n, distinct in rows)     # two responses per packed prompt
+    alone = [reward_mean_std(rm, [s.prompt_ids for s in x], [s.response_ids for s in x], pad)
+             for x in (pol, refs)]
+    assert torch.allclose(r_pol, alone[0][0], atol=1e-5) and torch.allclose(r_ref, alone[1][0],
+                                                                            atol=1e-5)
+    assert torch.equal(sd_pol, torch.zeros(len(pol)))         # one member: no spread
+    with pytest.raises(ValueError, match="2 policy samples against 3 reference samples"):
+        paired_rewards(rm, pol[:2], refs[:3], pad)
 
 
 def test_evaluate_and_gate_on_the_redteam_set(ws: Workspace) -> None:

@@ -207,6 +207,20 @@ def quality_metrics(g_pol: Sequence[GoldScore], g_ref: Sequence[GoldScore]) -> d
             "eval/ref_gold_sentiment": mean([g.sentiment for g in g_ref])}
 
 
+def paired_rewards(rm: torch.nn.Module, pol: Sequence[Rollout], refs: Sequence[Rollout],
+                   pad_id: int) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                         tuple[torch.Tensor, torch.Tensor]]:
+    """The RM's mean and std (each (B,)) of the policy's and of the reference's response to
+    each prompt, scored together: a prompt's two responses share a batch, so its prompt is
+    computed once for both (`lm.pack`) instead of once for each."""
+    if len(pol) != len(refs):
+        raise ValueError(f"{len(pol)} policy samples against {len(refs)} reference samples")
+    both = [s for pair in zip(pol, refs) for s in pair]                  # pol_0, ref_0, pol_1, ...
+    mean, std = reward_mean_std(rm, [s.prompt_ids for s in both],
+                                [s.response_ids for s in both], pad_id)
+    return (mean[0::2], std[0::2]), (mean[1::2], std[1::2])
+
+
 def best_of_n(rm: torch.nn.Module, candidates: Sequence[Rollout], n: int,
               pad_id: int) -> list[Rollout]:
     """Per prompt, the candidate (of n consecutive ones) the reward model scores highest."""
@@ -261,9 +275,7 @@ def evaluate_samples(p: Params, pol: Sequence[Rollout], refs: Sequence[Rollout],
         mean_nll(logp.ref, logp.ref_mask), p.evaluate.bootstrap, p.seed)
     metrics.update(g_metrics)
     metrics.update(quality_metrics(g_pol, g_ref))
-    (r_pol, sd_pol), (r_ref, sd_ref) = (
-        reward_mean_std(rm, [s.prompt_ids for s in x], [s.response_ids for s in x], pad)
-        for x in (pol, refs))
+    (r_pol, sd_pol), (r_ref, sd_ref) = paired_rewards(rm, pol, refs, pad)
     rm_wr = win_rate(rm_verdicts(r_pol, r_ref), p.evaluate.bootstrap, p.seed)
     metrics.update(rm_disagreement(sd_pol, sd_ref))
     len_pol = sum(len(s.response_ids) for s in pol) / len(pol)
