@@ -46,7 +46,8 @@ Settings that differ from the default profile, and why (they are the same on bot
 - RM: pooling `last` (profile: mean; TRL reads the last token only), head drawn at random from
   the same seed on both sides (profile: probe-fitted; TRL has no probe), 1 epoch (profile: 0,
   the probe alone), the profile's 12 backbone blocks kept on both sides (the same model object
-  type, copied). Responses end without EOS, as most sampled ones (cut at max_new_tokens) do:
+  type, copied), every weight trained (profile: the embeddings kept; TRL's trainer trains
+  them). Responses end without EOS, as most sampled ones (cut at max_new_tokens) do:
   with EOS = pad, HF's sequence-classification read-out would take the token before EOS.
 
 PPO: TRL 1.16 ships no PPO trainer (the wheel has no ppo module): it moved to trl.experimental
@@ -209,13 +210,15 @@ def settings(params: Params, kind: str, epochs: int | None,
                                "sft_weight": f"{base.sft_weight} -> 0 (TRL: no rpo_alpha)"}}
     base = params.train_rm
     p = replace(base, precision=precision, pooling="last", head_init="random",
-                epochs=epochs or max(base.epochs, 1))
+                freeze_embeddings=False, epochs=epochs or max(base.epochs, 1))
     return p, {"lr": p.lr, "batch_size": p.batch_size, "epochs": p.epochs,
                "weight_decay": p.weight_decay, "margin": p.margin, "num_layers": p.num_layers,
                "max_length": p.max_length, "precision": precision,
                "changed": {"precision": f"{base.precision} -> {precision}",
                            "pooling": f"{base.pooling} -> last (TRL's read-out)",
                            "head_init": f"{base.head_init} -> random, seed 0 on both sides",
+                           "freeze_embeddings": f"{base.freeze_embeddings} -> False (TRL "
+                                                "trains every weight)",
                            "epochs": f"{base.epochs} -> {p.epochs}"}}
 
 
