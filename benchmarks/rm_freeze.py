@@ -100,7 +100,7 @@ def main() -> None:
     for n in settings:
         step = sum(times[n].values())
         rows[n] = {**{k: round(v, 3) for k, v in times[n].items()},
-                        "step": round(step, 3), "ratio": round(step / base, 3)}
+                   "step": round(step, 3), "ratio": round(step / base, 3)}
         label = "embeddings only " if n == "e" else f"freeze_layers {n:>2}"
         print(f"{label}: forward {times[n]['forward']:.2f} s, backward "
               f"{times[n]['backward']:.2f} s, AdamW {times[n]['optimiser']:.2f} s, step "

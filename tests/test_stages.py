@@ -412,6 +412,28 @@ def test_a_kl_budget_from_the_initial_model_measures_no_start_and_trains_the_sam
     assert not changed(again.weights(layout.policy(1)), ws.weights(layout.policy(1)))
 
 
+def test_train_rm_with_freeze_embeddings_saves_the_initial_models_embeddings(
+        ws: Workspace, tmp_path: Path) -> None:
+    """train_rm@1 rerun in a copy with `freeze_embeddings: true` (the default profile's
+    setting): the reward model it saves holds the initial policy's token embeddings exactly,
+    while its blocks moved, and it measured itself on the same held-out pairs."""
+    again = copy_workspace(ws, tmp_path / "ws")
+    params = again.path(layout.PARAMS_FILE)
+    text = params.read_text().replace("\ntrain_rm:\n", "\ntrain_rm:\n  freeze_embeddings: true\n", 1)
+    assert text != params.read_text()
+    params.write_text(text)
+    run(train_rm.main, again.root, 1)
+    rm, base = again.weights(layout.reward_model(1)), ws.weights(layout.policy(0))
+    key = "model.embed_tokens.weight"
+    assert torch.equal(rm[key], base[key])
+    blocks = {k for k in rm if ".layers." in k}
+    assert blocks and blocks <= {k for k in blocks if not torch.equal(rm[k], base[k])}
+    assert not torch.equal(ws.weights(layout.reward_model(1))[key], base[key])  # trained there
+    ran, before = again.metrics(layout.metrics(1, "train_rm")), ws.metrics(
+        layout.metrics(1, "train_rm"))
+    assert ran["rm/n_heldout"] == before["rm/n_heldout"] and 0.0 <= ran["rm/accuracy"] <= 1.0
+
+
 def test_initial_policy_untouched_by_the_loop(ws: Workspace) -> None:
     assert lm.weights_md5(ws.path(layout.policy(0))) == ws.policy0_md5
 
