@@ -11,7 +11,7 @@ THREADS = "2"          # what the stages use on this 2-core machine (ALIGNLOOP_T
 
 # a user's servers and profiles must not leak into a benchmark process
 DROP = ("PREFECT_API_URL", "PREFECT_PROFILE", "MLFLOW_TRACKING_URI", "PREFECT_HOME",
-        "DVC_SITE_CACHE_DIR")
+        "DVC_SITE_CACHE_DIR", "ALIGNLOOP_FORKSERVER")   # a stage program here starts fresh
 
 
 def isolated_env(base: Path, **extra: str) -> dict[str, str]:

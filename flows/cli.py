@@ -204,6 +204,8 @@ def cmd_tick(args: argparse.Namespace) -> int:
     from flows.run import failure, run_logs
     logs = run_logs(ws)                       # Prefect's, DVC's output and a stage's error
     quiet_prefect(logs["log"])                # line go to the log: the terminal gets one
+    from tasks.runtime import forkserver
+    forkserver.enable(logs["log"])            # stage programs start from its imports
     try:
         result = tick(str(ws.root), overlap=args.overlap,
                       max_runs_per_day=args.max_runs_per_day)

@@ -23,6 +23,7 @@ from dvc.repo import Repo
 from flows.dvc_quiet import quiet_dvc
 from tasks.config.params import SAFE_LOADER
 from tasks.core import heap, layout
+from tasks.runtime import forkserver
 
 # canonical order among stages that DVC leaves unordered (topology always wins)
 STAGE_ORDER = layout.STAGES
@@ -357,6 +358,8 @@ def reproduce(root: Path, name: str, force: bool = False,
         try:
             with contextlib.redirect_stdout(io.StringIO()) if in_run_cache else \
                     contextlib.nullcontext():
+                if not in_run_cache:
+                    forkserver.ensure()       # the CLI's: stage programs fork from its imports
                 with heap.for_stage_processes():   # glibc's settings for the stage process
                     repo.reproduce(targets=[name], single_item=True, force=force)
         except ReproductionError as e:

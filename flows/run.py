@@ -23,6 +23,7 @@ from flows import workspace as wsmod
 if TYPE_CHECKING:
     from flows.record import IterationRecord
 from tasks.core.errors import InputError
+from tasks.runtime import forkserver
 
 
 class RunFailed(RuntimeError):
@@ -44,6 +45,7 @@ def run_loop(root: Path, params_file: Path | None,
     wsmod.apply_environment(ws)               # creates .alignloop/ (0700) for the lock
     t0 = time.perf_counter()
     logs = run_logs(ws)
+    forkserver.enable(logs["log"])            # stage programs start from its imports
     server = _prefect_api(ws, logs["server"])  # starts while this run may wait for the lock
     with wsmod.workspace_lock(ws, "wait"):    # never interleaved with another run or a tick
         checkpoint = recovery.take(root)

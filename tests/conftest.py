@@ -36,12 +36,42 @@ def isolated_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return env
 
 
+SHARED_SERVER: list[str] = []         # the session's fork server's socket (run_cli's CLIs)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_fork_server(isolated_env: dict[str, str],
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One fork server (tasks/runtime/forkserver.py) for the CLIs `run_cli` starts, so that
+    their stage programs skip the imports without each CLI starting a server of its own for
+    the one or two stages most of them run. Its environment is what a CLI gives its stages;
+    a stage whose environment differs (a test's own variable) runs on its own. The shared
+    tiny run, and the tests that signal or kill a CLI they start themselves, run with the
+    CLI's own server, as a user's run does."""
+    from flows.workspace import QUIET_ENV
+    from tasks.core import heap
+    from tasks.runtime import forkserver
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTEST_CURRENT_TEST", forkserver.ENV)}
+    env.update(QUIET_ENV)
+    env.update(heap.stage_environment(env))
+    log = tmp_path_factory.mktemp("fork-server") / "server.log"
+    server = forkserver.Server().start(env, log)
+    SHARED_SERVER[:] = [server.path]
+    yield
+    SHARED_SERVER.clear()
+    server.stop()
+
+
 def run_cli(*args: str, check: bool = True, timeout: float = 600,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run `alignloop ARGS` in a fresh interpreter, as a user would."""
+    """Run `alignloop ARGS` in a fresh interpreter, as a user would, its stage programs
+    forked from the session's fork server (env {"ALIGNLOOP_FORKSERVER": ""}: from the CLI's
+    own, as a user's are)."""
+    shared = {"ALIGNLOOP_FORKSERVER": SHARED_SERVER[0]} if SHARED_SERVER else {}
     proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **shared, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"alignloop {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
@@ -66,7 +96,8 @@ def snapshot(root: Path, cache: bool = True) -> dict[str, str]:
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """Two iterations of the tiny profile in a fresh workspace, run twice through the CLI."""
     ws = tmp_path_factory.mktemp("tiny") / "ws"
-    first = run_cli("run", "--params", str(TINY), "--workspace", str(ws))
+    first = run_cli("run", "--params", str(TINY), "--workspace", str(ws),
+                    env={"ALIGNLOOP_FORKSERVER": ""})     # the CLI's own fork server
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ws, capture_output=True,
                           text=True).stdout.strip()
     before = snapshot(ws)

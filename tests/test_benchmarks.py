@@ -277,9 +277,9 @@ def test_rm_freeze_times_every_setting_on_the_same_batches(tiny_run) -> None:
 
 def test_stage_startup_times_each_stage_program_beside_the_references() -> None:
     """benchmarks/stage_startup.py: a median per reference and per stage started as DVC starts
-    it (its module-level imports and exit, up to argument parsing), their sum, and the commit
-    and CPU (no figure is asserted: timings live in the benchmark's output); an unknown stage
-    is refused in one line."""
+    it (its module-level imports and exit, up to argument parsing), fresh and through a fork
+    server, their sums, and the commit and CPU (no figure is asserted: timings live in the
+    benchmark's output); an unknown stage is refused in one line."""
     import subprocess
     proc = subprocess.run([sys.executable, "-m", "benchmarks.stage_startup", "--stages",
                            "gate,judge", "--repeat", "1"], cwd=ROOT, capture_output=True,
@@ -288,6 +288,8 @@ def test_stage_startup_times_each_stage_program_beside_the_references() -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(out["seconds"]) == {"interpreter", "torch + transformers models", "gate", "judge"}
     assert abs(out["per_iteration"] - out["seconds"]["gate"] - out["seconds"]["judge"]) < 2e-3
+    assert set(out["forked"]) == {"gate", "judge"}
+    assert abs(out["per_iteration_forked"] - sum(out["forked"].values())) < 2e-3
     assert out["commit"] and out["cpu"] and all(v > 0 for v in out["seconds"].values())
     assert "tasks.stages.judge" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "benchmarks.stage_startup", "--stages", "nope"],
