@@ -51,9 +51,7 @@ def shared_fork_server(isolated_env: dict[str, str],
     from flows.workspace import QUIET_ENV
     from tasks.core import heap
     from tasks.runtime import forkserver
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTEST_CURRENT_TEST", forkserver.ENV)}
-    env.update(QUIET_ENV)
+    env = {**cli_env(), **QUIET_ENV}
     env.update(heap.stage_environment(env))
     log = tmp_path_factory.mktemp("fork-server") / "server.log"
     server = forkserver.Server().start(env, log)
@@ -61,6 +59,14 @@ def shared_fork_server(isolated_env: dict[str, str],
     yield
     SHARED_SERVER.clear()
     server.stop()
+
+
+def cli_env() -> dict[str, str]:
+    """This process's environment for a CLI it starts: without pytest's marker of the running
+    test (set anew for each test; a shared fork server started in one test would otherwise
+    refuse the stages of the next) and without a fork server's socket."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("PYTEST_CURRENT_TEST", "ALIGNLOOP_FORKSERVER")}
 
 
 def run_cli(*args: str, check: bool = True, timeout: float = 600,
@@ -71,7 +77,7 @@ def run_cli(*args: str, check: bool = True, timeout: float = 600,
     shared = {"ALIGNLOOP_FORKSERVER": SHARED_SERVER[0]} if SHARED_SERVER else {}
     proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **shared, **(env or {})})
+                          env={**cli_env(), **shared, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"alignloop {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")

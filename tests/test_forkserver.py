@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import cli_env
 from tasks.core import heap
 from tasks.runtime import forkserver
 
@@ -55,24 +56,17 @@ def code(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def base_env() -> dict[str, str]:
-    """This process's environment without pytest's per-test variable (which a CLI run's
-    server and stages share, and these do not) and without a server."""
-    return {k: v for k, v in os.environ.items()
-            if k not in ("PYTEST_CURRENT_TEST", forkserver.ENV)}
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[forkserver.Server]:
     log = tmp_path_factory.mktemp("forkserver") / "server.log"
-    srv = forkserver.Server().start({**base_env(), **heap.stage_environment()}, log)
+    srv = forkserver.Server().start({**cli_env(), **heap.stage_environment()}, log)
     srv.log = log                                    # type: ignore[attr-defined]
     yield srv
     srv.stop()
 
 
 def stage_env(**extra: str) -> dict[str, str]:
-    return {**base_env(), **heap.stage_environment(), **extra}
+    return {**cli_env(), **heap.stage_environment(), **extra}
 
 
 SERVER: list[str] = []     # the module's server's socket, for the programs' environment
@@ -225,7 +219,7 @@ def test_a_stage_forked_writes_the_bytes_it_writes_fresh(tiny_run, tmp_path: Pat
 
     runs = {}
     log = tmp_path / "server.log"
-    srv = forkserver.Server().start({**base_env(), **heap.stage_environment()}, log)
+    srv = forkserver.Server().start({**cli_env(), **heap.stage_environment()}, log)
     try:
         for how in ("fresh", "forked"):
             ws = shutil.copytree(tiny_run["ws"], tmp_path / how, symlinks=True)  # type: ignore

@@ -39,9 +39,7 @@ from typing import Any
 ENV = "ALIGNLOOP_FORKSERVER"          # the socket's path; "0": stage programs run on their own
 MODULE_PREFIX = "tasks.stages."
 SAFE_PREFIXES = ("ALIGNLOOP_", "DVC_", "PREFECT_", "MLFLOW_", "GIT_")
-# the shell's own, and pytest's marker of the running test (set anew for each): read by no
-# library at import
-SAFE_KEYS = frozenset({"PATH", "PWD", "OLDPWD", "SHLVL", "_", "PYTEST_CURRENT_TEST"})
+SAFE_KEYS = frozenset({"PATH", "PWD", "OLDPWD", "SHLVL", "_"})      # the shell's own
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
 
