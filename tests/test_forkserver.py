@@ -239,3 +239,27 @@ def test_a_stage_forked_writes_the_bytes_it_writes_fresh(tiny_run, tmp_path: Pat
     assert log.read_text().count(f"tasks.stages.{stage} --it 1 forked as pid") == 1
     assert runs["fresh"] and runs["fresh"] == runs["forked"]
     assert runs["fresh"] == digest(tiny_run["ws"])     # type: ignore[arg-type]
+
+
+def test_a_tick_in_a_copied_workspace_forks_its_stages_from_its_own_server(tiny_run,
+                                                                          tmp_path: Path) -> None:
+    """`alignloop tick` (what every cron fire runs) in a copy of the finished tiny workspace:
+    iteration 3's stage programs are forked by the tick's own fork server, none runs on its
+    own, and the iteration is committed."""
+    import re
+
+    from conftest import copy_workspace, run_cli
+    ws = copy_workspace(tiny_run["ws"], tmp_path / "ws")          # type: ignore[arg-type]
+    logs = set((ws / ".alignloop" / "logs").glob("*.log"))
+    out = run_cli("tick", "--workspace", str(ws), env={forkserver.ENV: ""})
+    assert re.search(r"^tick: \w+ iteration 3$", out.stdout, re.M), out.stdout
+    new = [p for p in (ws / ".alignloop" / "logs").glob("*.log") if p not in logs
+           and "prefect-server" not in p.name]
+    text = "".join(p.read_text() for p in new)
+    forked = set(re.findall(r"(tasks\.stages\.\w+ --it 3) forked as pid", text))
+    assert {f"tasks.stages.{s} --it 3" for s in ("rollout", "judge", "train_rm", "update",
+                                                  "evaluate", "gate")} <= forked, text[-2000:]
+    assert "runs on its own" not in text
+    tracked = subprocess.run(["git", "ls-files", "metrics/iter_3"], cwd=ws,
+                             capture_output=True, text=True).stdout.split()
+    assert "metrics/iter_3/gate_decision.json" in tracked, tracked    # committed
