@@ -275,6 +275,38 @@ def test_rm_freeze_times_every_setting_on_the_same_batches(tiny_run) -> None:
     assert "freeze_layers  1:" in proc.stdout and "embeddings only :" in proc.stdout
 
 
+def test_rm_finetune_rebuilds_the_stage_model_and_splits_its_accuracy_by_pair_kind(
+        tiny_run) -> None:
+    """benchmarks/rm_finetune.py on the shared tiny run's pool at iteration 2: without an overlay
+    it trains what `train_rm@2` trained (its held-out pairs, and its accuracy to within one pair:
+    the same seeds and code, another process whose kernels may round a margin near 0 the other
+    way), an overlay reaches the params (epochs 0: the probe alone), and the accuracies by pair
+    kind add up to the whole."""
+    import subprocess
+    ws = tiny_run["ws"]
+    stage = json.loads((ws / "metrics" / "iter_2" / "train_rm.json").read_text())
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rm_finetune", "--workspace", str(ws),
+                           "{}", '{"epochs": 0}'], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert [r["overlay"] for r in rows] == [{}, {"epochs": 0}]
+    n = rows[0]["heldout_pairs"]
+    assert n == stage["rm/n_heldout"] and rows[0]["train_pairs"] == stage["rm/n_train"]
+    assert abs(rows[0]["heldout_accuracy"] - stage["rm/accuracy"]) <= 1 / n + 1e-4
+    for r in rows:
+        assert r["commit"] and r["cpu"] and r["precision"] in ("fp32", "bf16")
+        kinds = r["by_kind"]
+        assert set(kinds) <= {"topic", "register", "topic+register", "sentiment"}
+        assert sum(k["pairs"] for k in kinds.values()) == n
+        right = sum(k["accuracy"] * k["pairs"] for k in kinds.values())
+        assert abs(right / n - r["heldout_accuracy"]) <= 1e-3
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rm_finetune", "--workspace", str(ws),
+                           "{lr: 1}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(
+        "settings: not JSON")
+
+
 def test_stage_startup_times_each_stage_program_beside_the_references() -> None:
     """benchmarks/stage_startup.py: a median per reference and per stage started as DVC starts
     it (its module-level imports and exit, up to argument parsing), fresh and through a fork
