@@ -157,3 +157,19 @@ def test_nothing_that_trains_or_judges_reads_the_violation_checker() -> None:
     wrong = sorted(m for m in readers if m not in allowed and not m.startswith("benchmarks."))
     assert not wrong, f"read the violation checker: {wrong}"
     assert allowed <= readers        # the rule is about modules that exist and do read it
+
+
+def test_the_cli_starts_without_the_heavy_libraries() -> None:
+    """`alignloop` parses its command line and runs the reading commands (status, lineage,
+    params, deploy, ...) without torch, MLflow, DVC or Prefect imported at start-up: each
+    command imports what it uses. torch alone added 1.2 s to every command (tasks.data.audit,
+    read for the audit labels, imported it at the top)."""
+    import subprocess
+    import sys
+    code = ("import sys, flows.cli; "
+            "print(sorted({'torch', 'mlflow', 'dvc', 'prefect', 'transformers'} & "
+            "{m.split('.')[0] for m in sys.modules}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

@@ -33,14 +33,17 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from tasks.core import atomic, jsonl
 from tasks.core.jsonl import DataError
 from tasks.data.records import PreferencePair, prompt_to_record
+
+# torch is imported by build_queue alone: the CLI reads labels and pairs through this module
+# without paying for torch's import (1.2 s of every command's start-up)
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 VERDICTS = ("chosen_ok", "swap", "drop")
 
@@ -179,9 +182,11 @@ def build_queue(pairs: Sequence[PreferencePair],
     a function of pair indices that gives their (K, n) margins, with `members` = K: it is called
     for the unaudited pairs when K > 1 (to rank them) and for the queued pairs alone at K = 1,
     where nothing is ranked: scoring every new pair costs a forward per response."""
+    import torch
+
     ids = [pair_id(p) for p in pairs]
     todo = [i for i, pid in enumerate(ids) if pid not in labels]
-    if isinstance(margins, Tensor):
+    if isinstance(margins, torch.Tensor):
         table, k = margins, margins.shape[0]
         score: Callable[[Sequence[int]], Tensor] = lambda idx: table[:, list(idx)]
     else:
