@@ -69,12 +69,53 @@ def cli_env() -> dict[str, str]:
             if k not in ("PYTEST_CURRENT_TEST", "ALIGNLOOP_FORKSERVER")}
 
 
+SHARED_PREFECT: list[object] = []     # the session's Prefect server (run_cli's runs and ticks)
+
+
+def shared_prefect(args: Collection[str], env: dict[str, str]) -> dict[str, str]:
+    """PREFECT_API_URL of one Prefect server for the session's `alignloop run` and `tick`
+    commands, started at the first: the same server a run starts for itself (flows/run_server.py,
+    on the session's store), which takes 6-10 s of a core to start, once instead of once per
+    run. Not for a command whose caller sets a Prefect variable (the shared tiny run sets
+    PREFECT_API_URL empty: the CLI's own server, as a user's run has) nor for a workspace whose
+    standalone server runs (`alignloop server start`: the run uses that, as a user's does)."""
+    args = list(args)
+    if not args or args[0] not in ("run", "tick") or any(k.startswith("PREFECT_") for k in env):
+        return {}
+    if "--workspace" in args[:-1]:
+        ws = Path(args[args.index("--workspace") + 1])
+        if (ws / ".alignloop" / "prefect-server.json").is_file():
+            return {}
+    import threading
+    if SHARED_PREFECT and SHARED_PREFECT[0].proc.poll() is not None:   # type: ignore[attr-defined]
+        SHARED_PREFECT.clear()                  # ended (it dies with the thread that started it)
+    if not SHARED_PREFECT:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        from flows.run_server import RunServer
+        server = RunServer(Path(os.environ["PREFECT_HOME"]) / "shared-server.log").start()
+        server.wait()
+        SHARED_PREFECT.append(server)
+    return {"PREFECT_API_URL": SHARED_PREFECT[0].api_url}          # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_prefect_server(isolated_env: dict[str, str]) -> Iterator[None]:
+    """Stops the session's Prefect server (`shared_prefect`) at the session's end."""
+    yield
+    for server in SHARED_PREFECT:
+        server.stop()                                              # type: ignore[attr-defined]
+    SHARED_PREFECT.clear()
+
+
 def run_cli(*args: str, check: bool = True, timeout: float = 600,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `alignloop ARGS` in a fresh interpreter, as a user would, its stage programs
     forked from the session's fork server (env {"ALIGNLOOP_FORKSERVER": ""}: from the CLI's
-    own, as a user's are)."""
+    own, as a user's are) and a run or tick reporting to the session's Prefect server
+    (`shared_prefect`)."""
     shared = {"ALIGNLOOP_FORKSERVER": SHARED_SERVER[0]} if SHARED_SERVER else {}
+    shared.update(shared_prefect(args, env or {}))
     proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env={**cli_env(), **shared, **(env or {})})
@@ -103,7 +144,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """Two iterations of the tiny profile in a fresh workspace, run twice through the CLI."""
     ws = tmp_path_factory.mktemp("tiny") / "ws"
     first = run_cli("run", "--params", str(TINY), "--workspace", str(ws),
-                    env={"ALIGNLOOP_FORKSERVER": ""})     # the CLI's own fork server
+                    env={"ALIGNLOOP_FORKSERVER": "",     # the CLI's own fork server
+                         "PREFECT_API_URL": ""})          # and Prefect server
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ws, capture_output=True,
                           text=True).stdout.strip()
     before = snapshot(ws)
