@@ -160,10 +160,9 @@ def test_nothing_that_trains_or_judges_reads_the_violation_checker() -> None:
 
 
 def test_the_cli_starts_without_the_heavy_libraries() -> None:
-    """`alignloop` parses its command line and runs the reading commands (status, lineage,
-    params, deploy, ...) without torch, MLflow, DVC or Prefect imported at start-up: each
-    command imports what it uses. torch alone added 1.2 s to every command (tasks.data.audit,
-    read for the audit labels, imported it at the top)."""
+    """`alignloop` starts (flows.cli imported) without torch, MLflow, DVC, Prefect or
+    transformers: each command imports what it uses. torch alone added 1.3 s to every command
+    (tasks.data.audit, read for the audit labels, imported it at the top)."""
     import subprocess
     import sys
     code = ("import sys, flows.cli; "
