@@ -35,6 +35,7 @@ from tasks.models import lm
 from tasks.reward.reward_model import (
     RewardEnsemble,
     encode_pairs,
+    ensemble_agreement,
     ensemble_metrics,
     heads,
     heldout_split,
@@ -84,10 +85,12 @@ def main() -> None:
                                           tok.pad_token_id, it)
         seconds = time.perf_counter() - t0
         model = RewardEnsemble(members, rp.precision, rp.pooling)
-        metrics, _ = ensemble_metrics(model, enc_train, enc_held, tok.pad_token_id, cache,
-                                      rp.stats_pairs)
+        # the held-out pairs scored once: their margins give the accuracy and its split
         margins = (torch.sub(*cache.pair_rewards(heads(model), enc_held)) if cache is not None
                    else pair_margins(model, enc_held, tok.pad_token_id))
+        metrics, _ = ensemble_metrics(model, enc_train, [], tok.pad_token_id, cache,
+                                      rp.stats_pairs)
+        metrics["rm/accuracy"] = ensemble_agreement(margins)["accuracy"]
         right = (margins.mean(0) > 0).tolist()
         by_kind: dict[str, list[bool]] = collections.defaultdict(list)
         for k, ok in zip(kinds, right):

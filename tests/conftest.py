@@ -84,7 +84,8 @@ def shared_prefect(args: Collection[str], env: dict[str, str]) -> dict[str, str]
         return {}
     if "--workspace" in args[:-1]:
         ws = Path(args[args.index("--workspace") + 1])
-        if (ws / ".alignloop" / "prefect-server.json").is_file():
+        from flows.workspace import STATE_DIR
+        if (ws / STATE_DIR / "prefect-server.json").is_file():
             return {}
     import threading
     if SHARED_PREFECT and SHARED_PREFECT[0].proc.poll() is not None:   # type: ignore[attr-defined]
