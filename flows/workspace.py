@@ -31,8 +31,8 @@ from tasks.core.errors import InputError
 STATE_DIR = ".alignloop"             # Prefect home, MLflow store, DVC remote, server pid/logs
 REMOTE = "local"                     # the default DVC remote: <workspace>/.alignloop/dvc-remote
 GITIGNORE = f"/{STATE_DIR}/\n__pycache__/\n"
-# MLflow writes this note into a model directory loaded through a models:/ URI; it is not an
-# output, so DVC must not see the directory as changed
+# MLflow (before 3.18) writes this note into a model directory loaded through a models:/ URI;
+# it is not an output, so DVC must not see the directory as changed
 DVCIGNORE = ("registered_model_meta",)
 QUIET_ENV = {
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
