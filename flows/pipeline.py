@@ -165,6 +165,7 @@ def alignloop(workspace: str, force: list[str] | None = None) -> list[IterationR
     `force` names stage instances to recompute even if DVC finds them up to date (rerun);
     every other stage is run, restored from the run-cache, or skipped as DVC decides.
     """
+    signals.reinstall()                                   # over Prefect's (flows/signals.py)
     forced = set(force or [])
     root = Path(workspace)
     dvc_log = logging.getLogger("dvc")

@@ -5,6 +5,12 @@ server), remembers the signal and raises `Terminated` in the main thread. Librar
 catch and swallow that exception (once, a SQLAlchemy callback did, and the run went on to
 record the iteration and exit 0), so the flow calls `check()` before each stage and each
 record step, and the CLI's exit code is taken from `received()` whatever the flow returned.
+
+Prefect's flow engine puts its own SIGTERM handler in for each flow run: it raises an
+exception and passes the signal on to the handler before it only when that exception comes
+back out of the flow. A library's clean-up may replace it on the way (DVC, interrupted while
+writing its rwlock file, failed to read it back in its `finally`, and the run ended as a
+failed stage, exit 1); so the flow puts this handler back in first (`reinstall()`).
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from types import FrameType
 
 _received: list[int] = []
 _spared: set[int] = set()       # ended at exit instead (the run's Prefect server)
+_installed: list[bool] = []     # install() ran in this process (the CLI's)
 
 
 class Terminated(SystemExit):
@@ -71,3 +78,13 @@ def install() -> None:
     """End the run on SIGTERM (`kill PID`) and SIGINT (Ctrl-C) as described above."""
     signal.signal(signal.SIGTERM, _handler)
     signal.signal(signal.SIGINT, _handler)
+    _installed[:] = [True]
+
+
+def reinstall() -> None:
+    """Put the handler back in where the CLI installed it and something replaced it since
+    (Prefect's flow engine, at each flow run's start); nothing elsewhere (a Prefect worker's
+    flow run keeps Prefect's own), nor off the main thread, where signals cannot be set."""
+    import threading
+    if _installed and threading.current_thread() is threading.main_thread():
+        install()

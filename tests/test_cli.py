@@ -90,8 +90,9 @@ def test_sigterm_ends_the_running_stage_and_the_prefect_server(tmp_path):
         deadline, stage = time.monotonic() + 120, None
         while stage is None and time.monotonic() < deadline and proc.poll() is None:
             children = cli.children(recursive=True)
-            # a stage that runs a while (prompts, without torch, is over in a blink)
-            stage = next((c for c in children if "tasks." in cmd(c)
+            # a stage program that runs a while (prompts, without torch, is over in a blink;
+            # the fork server's command names tasks.runtime)
+            stage = next((c for c in children if "tasks.stages." in cmd(c)
                           and "tasks.stages.prompts" not in cmd(c)), None)
             time.sleep(0.05)
         assert stage is not None, "no stage process seen"
@@ -108,7 +109,7 @@ def test_sigterm_ends_the_running_stage_and_the_prefect_server(tmp_path):
 
 
 def test_relative_model_path_is_relative_to_the_profile_it_is_written_in(tmp_path):
-    from flows.workspace import profile_text
+    from flows.params_file import profile_text
     profile = tmp_path / "profiles" / "mine.yaml"
     profile.parent.mkdir()
     profile.write_text(TINY.read_text().replace("  source: tiny\n", "  source: hf_dir\n", 1)
