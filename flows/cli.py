@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flows import cli_models, cli_release, cli_workspace, import_pairs, shipped, signals, targets
+from flows import params_file as params_text
 from flows import workspace as wsmod
 from flows.cli_views import cmd_dag, cmd_lineage, cmd_params, cmd_report, cmd_status, print_report
 from flows.run import RunFailed, quiet_prefect
@@ -30,7 +31,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     root = Path(args.workspace).resolve()
     if params is None and not (root / layout.PARAMS_FILE).is_file():
         params = shipped.default_profile()
-    wsmod.validate(root, params)               # fails before the workspace is touched
+    params_text.validate(root, params)         # fails before the workspace is touched
     if params is None and (notice := cli_workspace.upgrade_notice(root)):
         print(notice)                          # the workspace keeps its own pipeline
     return _run_and_print(root, params, force=[])
@@ -39,7 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_rerun(args: argparse.Namespace) -> int:
     from flows import dag
     ws = wsmod.existing_workspace(args.workspace)
-    wsmod.validate(ws.root, None)
+    params_text.validate(ws.root, None)
     names = [r.name for r in dag.ordered_stages(ws.root)]
     if args.stage not in names:
         raise InputError(f"{args.stage}: no such stage instance (have: {', '.join(names)})")

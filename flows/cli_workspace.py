@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from flows import params_file as params_text
 from flows import shipped
 from flows import workspace as wsmod
 from tasks.config.params import SAFE_LOADER
@@ -37,7 +38,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         raise InputError(f"{root}: already a workspace (it has {layout.PARAMS_FILE}); run it "
                          f"with `alignloop run --workspace {args.directory}`")
     params = Path(args.params).resolve() if args.params else shipped.profile(args.profile)
-    wsmod.validate(root, params)               # fails before anything is created
+    params_text.validate(root, params)         # fails before anything is created
     root.mkdir(parents=True, exist_ok=True)
     wsmod.apply_environment(wsmod.Workspace(root))
     ws, changed = wsmod.prepare(root, params)
