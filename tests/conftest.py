@@ -73,14 +73,15 @@ SHARED_PREFECT: list[object] = []     # the session's Prefect server (run_cli's 
 
 
 def shared_prefect(args: Collection[str], env: dict[str, str]) -> dict[str, str]:
-    """PREFECT_API_URL of one Prefect server for the session's `alignloop run` and `tick`
-    commands, started at the first: the same server a run starts for itself (flows/run_server.py,
+    """PREFECT_API_URL of one Prefect server for the session's `alignloop run`, `rerun` and
+    `tick` commands, started at the first: the same server a run starts for itself (flows/run_server.py,
     on the session's store), which takes 6-10 s of a core to start, once instead of once per
     run. Not for a command whose caller sets a Prefect variable (the shared tiny run sets
     PREFECT_API_URL empty: the CLI's own server, as a user's run has) nor for a workspace whose
     standalone server runs (`alignloop server start`: the run uses that, as a user's does)."""
     args = list(args)
-    if not args or args[0] not in ("run", "tick") or any(k.startswith("PREFECT_") for k in env):
+    if not args or args[0] not in ("run", "rerun", "tick") or \
+            any(k.startswith("PREFECT_") for k in env):
         return {}
     if "--workspace" in args[:-1]:
         ws = Path(args[args.index("--workspace") + 1])
@@ -113,7 +114,7 @@ def run_cli(*args: str, check: bool = True, timeout: float = 600,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `alignloop ARGS` in a fresh interpreter, as a user would, its stage programs
     forked from the session's fork server (env {"ALIGNLOOP_FORKSERVER": ""}: from the CLI's
-    own, as a user's are) and a run or tick reporting to the session's Prefect server
+    own, as a user's are) and a run, rerun or tick reporting to the session's Prefect server
     (`shared_prefect`)."""
     shared = {"ALIGNLOOP_FORKSERVER": SHARED_SERVER[0]} if SHARED_SERVER else {}
     shared.update(shared_prefect(args, env or {}))

@@ -6,6 +6,8 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
@@ -153,6 +155,7 @@ def test_vs_trl_losses_equal_trls_on_a_tiny_model(tmp_path) -> None:
         assert 0 < dev["trl_loss_vs_fp32_max_abs_diff"] < 1e-2
 
 
+@pytest.mark.slow                  # TRL's PPO trainer
 def test_vs_trl_ppo_runs_trls_ppo_trainer_on_our_rollouts(tmp_path) -> None:
     """benchmarks/trl_ppo.py on a tiny random model: TRL 1.12's PPOTrainer (installed apart,
     in its own process) and our update, each in a fresh process, on the same 8 rollouts of a
@@ -203,6 +206,7 @@ def test_dvc_parses_its_files_with_the_c_yaml_loader() -> None:
     assert YAML(typ="safe").Parser.__name__ == "CParser", "pip install ruamel.yaml.clib"
 
 
+@pytest.mark.slow                  # every update's MFU with the peaks measured around each
 def test_train_mfu_trains_every_update_on_a_tiny_model(tmp_path) -> None:
     """benchmarks/train_bench.py (run.py's `train` section) at --quick sizes on a tiny model:
     each update takes steps and gets an MFU, the reward model too, although the default
@@ -307,6 +311,7 @@ def test_rm_finetune_rebuilds_the_stage_model_and_splits_its_accuracy_by_pair_ki
         "settings: not JSON")
 
 
+@pytest.mark.slow                  # every stage program started, timed
 def test_stage_startup_times_each_stage_program_beside_the_references() -> None:
     """benchmarks/stage_startup.py: a median per reference and per stage started as DVC starts
     it (its module-level imports and exit, up to argument parsing), fresh and through a fork

@@ -241,6 +241,8 @@ def test_a_stage_forked_writes_the_bytes_it_writes_fresh(tiny_run, tmp_path: Pat
     assert runs["fresh"] == digest(tiny_run["ws"])     # type: ignore[arg-type]
 
 
+# a whole extra iteration through the CLI; the fast tests fork the tiny run's stages
+@pytest.mark.slow
 def test_a_tick_in_a_copied_workspace_forks_its_stages_from_its_own_server(tiny_run,
                                                                           tmp_path: Path) -> None:
     """`alignloop tick` (what every cron fire runs) in a copy of the finished tiny workspace:

@@ -9,6 +9,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from conftest import run_cli
 from test_schedule import ws  # noqa: F401  (ws: the fixture, a copy of the tiny run)
 
@@ -49,6 +51,8 @@ def _messages(client: object, flow_run_id: object, timeout: float = 30.0) -> lis
         time.sleep(1)
 
 
+# a standalone Prefect server started and a run against it (~30 s)
+@pytest.mark.slow
 def test_a_run_sends_heartbeats_to_the_workspace_server_and_completes(ws: Path):  # noqa: F811
     """The user's path: `server start`, then `alignloop run` (a cached rerun of the tiny run):
     the flow run completes, and the server holds its heartbeat events."""

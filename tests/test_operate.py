@@ -32,6 +32,9 @@ def _changed(ws: Path) -> dict[str, list[str]]:
     return {s["stage"]: s["reasons"] for s in status if s["state"] != "up-to-date"}
 
 
+# a whole rerun of both evaluations: the fast suite checks which stages a param edit reruns
+# by `dvc status` (tests/test_stage_contract.py)
+@pytest.mark.slow
 def test_evaluate_param_reruns_only_evaluation(ws):
     _set_param(ws, "evaluate", "bootstrap", 300)
     changed = _changed(ws)
