@@ -74,9 +74,9 @@ SHARED_PREFECT: list[object] = []     # the session's Prefect server (run_cli's 
 
 def shared_prefect(args: Collection[str], env: dict[str, str]) -> dict[str, str]:
     """PREFECT_API_URL of one Prefect server for the session's `alignloop run`, `rerun` and
-    `tick` commands, started at the first: the same server a run starts for itself (flows/run_server.py,
-    on the session's store), which takes 6-10 s of a core to start, once instead of once per
-    run. Not for a command whose caller sets a Prefect variable (the shared tiny run sets
+    `tick` commands, started at the first: the same server a run starts for itself
+    (flows/run_server.py, on the session's store), which takes 6-10 s of a core to start, once
+    instead of once per run. Not for a command whose caller sets a Prefect variable (the shared tiny run sets
     PREFECT_API_URL empty: the CLI's own server, as a user's run has) nor for a workspace whose
     standalone server runs (`alignloop server start`: the run uses that, as a user's does)."""
     args = list(args)
