@@ -69,7 +69,7 @@ def cli_env() -> dict[str, str]:
             if k not in ("PYTEST_CURRENT_TEST", "ALIGNLOOP_FORKSERVER")}
 
 
-SHARED_PREFECT: list[object] = []     # the session's Prefect server (run_cli's runs and ticks)
+SHARED_PREFECT: list[object] = []     # the session's Prefect server (run_cli's runs, reruns, ticks)
 
 
 def shared_prefect(args: Collection[str], env: dict[str, str]) -> dict[str, str]:
