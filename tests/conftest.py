@@ -158,6 +158,14 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             "after": snapshot(ws), "head": head, "head2": head2}
 
 
+@pytest.fixture(scope="session")
+def stage_loop(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """One iteration of the tiny profile's loop, every stage's main() called in DAG order in a
+    temp workspace (tests/stage_loop.py): what the per-stage smoke tests read and copy."""
+    from stage_loop import loop_workspace
+    return loop_workspace(tmp_path_factory.mktemp("loop") / "ws")
+
+
 def copy_workspace(src: Path, dst: Path) -> Path:
     """A full copy (git, DVC cache, MLflow store, its own DVC remote: the default remote is
     named relative to the workspace)."""

@@ -15,7 +15,7 @@ from tasks.models.tiny_model import build_tiny_model
 from tasks.policy.value_head import ValueHead, logprobs_and_values
 from tasks.reward.features import EncodedPair
 from tasks.reward.reward_model import RewardEnsemble, member_pair_rewards, member_rewards
-from test_sampling import Wrapped
+from tiny_sampling import Wrapped
 
 VOCAB = 300
 
