@@ -56,7 +56,7 @@ test-slow: $(STAMP)
 # AVX512 without AMX (AMD EPYC's kind). A test that asserts how a kernel rounds fails here.
 # A CPU runs only the kernels it has: on an AVX2-only CPU the AVX512 pass would die of an illegal
 # instruction, and its own kernels are AVX2, which `make test` has already run.
-KERNEL_TESTS := tests/test_sampling.py tests/test_sampling_fast.py tests/test_probe.py \
+KERNEL_TESTS := tests/test_sampling_basics.py tests/test_sampling.py tests/test_probe.py \
 	tests/test_losses.py tests/test_rm_ensemble.py tests/test_precision.py tests/test_dpo_family.py \
 	tests/test_stages.py tests/test_stages_training.py tests/test_stages_evaluate.py \
 	tests/test_judge_stages.py

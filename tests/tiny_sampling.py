@@ -1,7 +1,7 @@
 """A small word-level tokenizer with a chat template, chat prompts of different lengths, tiny
 Llama variants (a plain module around one, one with a raised EOS logit) and the draw and
-full-forward helpers the sampler tests share (tests/test_sampling.py,
-tests/test_sampling_fast.py)."""
+full-forward helpers the sampler tests share (tests/test_sampling_basics.py,
+tests/test_sampling.py)."""
 from __future__ import annotations
 
 import copy
@@ -28,7 +28,7 @@ watched see saw about like from as by be been has have had just also than then t
 def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """A small word-level tokenizer with a chat template (a 403-token vocabulary keeps the
     sampler's distribution tests cheap: thousands of draws over the whole vocabulary); the
-    sampler on SmolLM2's real tokenizer is tested in tests/test_sampling.py
+    sampler on SmolLM2's real tokenizer is tested in tests/test_sampling_basics.py
     (test_real_tokenizer_...)."""
     special = ["<pad>", "<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>",
                "<|end|>"]

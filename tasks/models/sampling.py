@@ -230,7 +230,7 @@ def batch_uniforms(b: int, max_new_tokens: int, generator: torch.Generator) -> T
 def thread_shards(prompts: Sequence[Sequence[int]], threads: int) -> list[slice]:
     """One batch's rows as contiguous shards, one per thread (at most), each at least
     MIN_SHARD_ROWS rows, boundaries only between runs of equal prompts. A row's tokens do not
-    depend on its shard (tests/test_sampling_fast.py), but the last bits of its log-probs may: the
+    depend on its shard (tests/test_sampling.py), but the last bits of its log-probs may: the
     shard's shared prefix, its matrix shapes and the threads its ops run on change the
     rounding. So whoever samples a batch elsewhere (Ray workers: `plan`, `sample_on_workers`)
     samples exactly these shards on the same threads."""
