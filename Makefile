@@ -37,9 +37,13 @@ run-tiny: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check tasks flows tests benchmarks
 
-# The default test run: unit, per-stage smoke and flow tests on the tiny profile (minutes).
+# The default test run: unit, per-stage smoke and flow tests on the tiny profile (minutes), in
+# TEST_WORKERS pytest processes (pytest-xdist; 0: in this one). Most of the suite waits on the
+# programs it starts (CLIs, Prefect servers, DVC, stage programs): in one process it keeps about
+# 1.1 of 2 cores busy. Each worker has its own shared tiny run, fork server and Prefect server.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/python -m pytest -m "not slow" -q -n $(TEST_WORKERS)
 
 # The `slow` tests, minutes each: the real default model (SmolLM2-135M-Instruct), and whole
 # extra loops through the CLI (a LoRA loop, kill -9 at every record-step write, served schedule fires,
