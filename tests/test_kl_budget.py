@@ -71,6 +71,44 @@ def test_training_stops_at_the_last_state_within_the_target_and_restores_it():
     assert not all(torch.equal(v, guard.seen[2][k]) for k, v in policy.state_dict().items())
 
 
+def _trained(policy: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: weights[k] for k, q in policy.named_parameters() if q.requires_grad}
+
+
+def test_backtracking_keeps_the_first_state_within_the_target_between_the_last_two_checks():
+    """Past the target at step 4 (the last within it: step 2), with `backtrack: 2` the guard
+    measures half way back (step 3's worth: still past), then a quarter of the way from step 2
+    (within): those weights stay, lerp(step 2's, step 4's, 1/4)."""
+    policy, ref = _model(), _model()
+    budget = KLBudgetParams(total=18.0, per_iteration=5.0, check_every=2, backtrack=2)
+    guard = Scripted([10.0, 12.0, 16.0, 15.5, 14.0, 99.0], budget, policy)   # target 15
+    m = train_dpo(policy, ref, _pairs(16), p=DPOParams(lr=1e-2, epochs=3, batch_size=2), pad_id=0,
+                  rng=torch.Generator().manual_seed(0), guard=guard)      # type: ignore[arg-type]
+    assert [s for s, _ in guard.measured] == [0, 2, 4, 3.0, 2.5]
+    assert m["update/steps"] == 4.0 and m["update/kl_stopped"] == 1.0
+    assert m["update/steps_kept"] == 2.5 and m["update/kl_kept"] == 14.0
+    assert m["update/kl_last"] == 14.0 and m["update/kl_backtracks"] == 2.0
+    at2, at4 = (_trained(policy, guard.seen[i]) for i in (0, 1))   # begin() adds none
+    now = dict(policy.named_parameters())
+    moved = 0.0
+    for k, w in at2.items():
+        torch.testing.assert_close(now[k].detach(), torch.lerp(w, at4[k], 0.25))
+        moved += float((at4[k] - w).abs().sum())
+    assert moved > 0                                # the two states differ: not a vacuous match
+
+
+def test_with_no_backtracked_state_within_the_target_the_last_one_within_is_restored():
+    policy, ref = _model(), _model()
+    budget = KLBudgetParams(total=18.0, per_iteration=5.0, check_every=2, backtrack=2)
+    guard = Scripted([10.0, 12.0, 16.0, 15.5, 15.2, 99.0], budget, policy)
+    m = train_dpo(policy, ref, _pairs(16), p=DPOParams(lr=1e-2, epochs=3, batch_size=2), pad_id=0,
+                  rng=torch.Generator().manual_seed(0), guard=guard)      # type: ignore[arg-type]
+    assert m["update/steps_kept"] == 2.0 and m["update/kl_kept"] == 12.0
+    assert m["update/kl_backtracks"] == 2.0 and m["update/kl_checks"] == 5.0
+    kept = guard.seen[0]                            # the weights measured at step 2
+    assert all(torch.equal(v, kept[k]) for k, v in policy.state_dict().items())
+
+
 def test_a_start_past_the_total_trains_nothing():
     policy, ref = _model(), _model()
     before = copy.deepcopy(policy.state_dict())

@@ -22,6 +22,7 @@ from tasks.core import progress
 from tasks.data.records import Rollout
 from tasks.functional.losses import DPO_LOSSES, LENGTH_NORMALISED_LOSSES, dpo_implicit_rewards
 from tasks.models import lm
+from tasks.policy import kl_budget
 from tasks.policy.kl_budget import KLGuard, Snapshot
 from tasks.reward.features import EncodedPair
 from tasks.reward.reward_model import RewardModel, reward_mean_std
@@ -97,8 +98,9 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
     global batch and the gradients are summed (tasks/runtime/distributed.py): the same steps.
 
     With a `guard` (tasks/policy/kl_budget.py) the KL to the reference is measured before the first
-    step and every `check_every` steps; at the first measurement past the target the weights of
-    the last one within it are restored and training stops (every rank measures the same).
+    step and every `check_every` steps; at the first measurement past the target training
+    stops, keeping the weights of the last one within it or, with `backtrack`, a state part of
+    the way from them to the ones past it (kl_budget.check; every rank measures the same).
     """
     if not pairs:
         return {"update/steps": 0.0, "update/n_pairs": 0.0}
@@ -149,22 +151,16 @@ def train_dpo(policy: torch.nn.Module, ref: torch.nn.Module, pairs: Sequence[Enc
                               "lr": opt.param_groups[0]["lr"]})
             pg.step(1, work=len(batch))
             if guard is not None and snapshot is not None and (
-                    len(losses) % guard.budget.check_every == 0):
-                if guard.within(len(losses)):
-                    snapshot.take()
-                else:                                 # past the target: back to the last state
-                    snapshot.restore()                # within it, and stop
-                    stopped_at = len(losses)
+                    len(losses) % guard.budget.check_every == 0) and \
+                    kl_budget.check(guard, snapshot, len(losses)):   # past the target: back
+                stopped_at = len(losses)                            # within it, and stop
         if stopped_at is not None:
             break
     pg.close()
     if guard is not None and snapshot is not None and stopped_at is None and \
-            len(losses) % guard.budget.check_every != 0:          # the steps since the last check
-        if guard.within(len(losses)):
-            snapshot.take()
-        else:
-            snapshot.restore()
-            stopped_at = len(losses)
+            len(losses) % guard.budget.check_every != 0 and \
+            kl_budget.check(guard, snapshot, len(losses)):        # the steps since the last check
+        stopped_at = len(losses)
     policy.eval()
     record_losses(group, losses, time.perf_counter() - t0)
     kl = guard.metrics(stopped_at) if guard is not None else {}

@@ -12,6 +12,13 @@ that was within the target (its weights restored): early stopping at a target KL
 `target_kl` (Schulman et al. 2017; OpenAI Spinning Up), applied to the distance from the
 reference rather than from the previous step.
 
+A check that finds the policy past the target would throw away every step since the last one
+within it, however little it overshot. With `backtrack: n` the guard first tries the weights
+half way back from the state past the target to that last state within it, then a quarter of
+the way, ... (n measurements at most), and keeps the first within the target: the backtracking
+line search of TRPO (Schulman et al. 2015) on the straight line between the two states, whose
+KL to the reference grows with the distance along it.
+
 Sampled untempered (`evaluate.generation` at temperature 1 without a nucleus), the policy's
 log-probs are the sampler's own, stored with each sample (as evaluate reads them): a
 measurement runs the reference's forward pass alone. Sampled otherwise, the policy's are
@@ -49,7 +56,7 @@ class KLGuard:
     start_known: float | None = None      # the start's KL, not measured (0: the initial model)
     start: float = float("nan")
     target: float = float("nan")
-    measured: list[tuple[int, float]] = field(default_factory=list)   # (step, KL)
+    measured: list[tuple[float, float]] = field(default_factory=list)  # (step, KL)
 
     def measure(self) -> float:
         """The k1 estimate on the guard's prompts, the policy sampled as it is now."""
@@ -82,22 +89,26 @@ class KLGuard:
         self.target = min(self.start + b.per_iteration if b.per_iteration > 0 else b.total,
                           b.total)
 
-    def within(self, step: int) -> bool:
+    def within(self, step: float) -> bool:
         kl = self.measure()
         self.measured.append((step, kl))
         return kl <= self.target
 
     def metrics(self, stopped_at: int | None) -> dict[str, float]:
         """The budget's record: start, target, the last measurement, the kept state's KL and
-        step (the last measurement within the target), whether training was stopped, and how
-        many measurements were taken (a known start is not one)."""
+        step (the last measurement within the target; a state part of the way between two
+        steps counts that part of the steps), whether training was stopped, how many
+        measurements were taken (a known start is not one) and how many of them backtracked."""
         step, kl = next(((s, k) for s, k in reversed(self.measured)
-                         if stopped_at is None or s < stopped_at), (0, self.start))
+                         if k <= self.target and (stopped_at is None or s < stopped_at)),
+                        (0, self.start))
         return {"update/kl_start": self.start, "update/kl_target": self.target,
                 "update/kl_last": self.measured[-1][1], "update/kl_kept": kl,
                 "update/steps_kept": float(step),
                 "update/kl_stopped": float(stopped_at is not None),
-                "update/kl_checks": float(len(self.measured) - (self.start_known is not None))}
+                "update/kl_checks": float(len(self.measured) - (self.start_known is not None)),
+                "update/kl_backtracks": float(sum(b[0] <= a[0] for a, b in   # back, not on
+                                                  zip(self.measured, self.measured[1:])))}
 
 
 def guard_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> list[tuple[int, ...]]:
@@ -112,19 +123,43 @@ def guard_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> list[tuple[int
 
 class Snapshot:
     """The policy's trained weights (those that require grad: every weight of a full
-    fine-tune, a LoRA policy's adapter alone) at the last measurement within the target,
-    restored on a stop."""
+    fine-tune, a LoRA policy's adapter alone) at the last measurement within the target and
+    its step, restored on a stop."""
 
     def __init__(self, policy: torch.nn.Module) -> None:
         self.policy = policy
-        self.take()
+        self.take(0)
 
-    def take(self) -> None:
-        self.state = {k: q.detach().clone() for k, q in self.policy.named_parameters()
-                      if q.requires_grad}
+    def trained(self) -> dict[str, torch.Tensor]:
+        return {k: q.detach().clone() for k, q in self.policy.named_parameters()
+                if q.requires_grad}
 
-    def restore(self) -> None:
+    def take(self, step: float) -> None:
+        self.state, self.step = self.trained(), step
+
+    def restore(self, toward: dict[str, torch.Tensor] | None = None,
+                fraction: float = 0.0) -> None:
+        """The kept weights, or those `fraction` of the way from them to `toward`'s."""
         with torch.no_grad():
             for k, q in self.policy.named_parameters():
                 if k in self.state:
-                    q.copy_(self.state[k])
+                    q.copy_(self.state[k] if toward is None else
+                            torch.lerp(self.state[k], toward[k], fraction))
+
+
+def check(guard: KLGuard, snapshot: Snapshot, step: int) -> bool:
+    """The guard's check after `step` optimiser steps: True when training must stop. Within
+    the target, the weights are kept; past it, `backtrack` states between them and the kept
+    ones are measured in turn (1/2, 1/4, ... of the way from the kept ones), the first within
+    the target stays, and with none the kept weights are restored."""
+    if guard.within(step):
+        snapshot.take(step)
+        return False
+    past, fraction = snapshot.trained(), 1.0
+    for _ in range(guard.budget.backtrack):
+        fraction /= 2
+        snapshot.restore(past, fraction)
+        if guard.within(snapshot.step + fraction * (step - snapshot.step)):
+            return True
+    snapshot.restore()
+    return True

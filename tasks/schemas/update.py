@@ -42,7 +42,7 @@ class DPOParams:
 class KLBudgetParams:
     """KL(policy || initial model) per response, kept while the update trains
     (tasks/policy/kl_budget.py: measured every check_every steps, training stopped at the last state
-    within the target)."""
+    within the target, or part of the way from it to the first past it)."""
     total: float = 0.0              # never more than this (0 = no budget); under gate.max_kl, so
                                     #   no candidate is refused for its KL
     per_iteration: float = 0.0      # at most this much more than the policy the iteration starts
@@ -50,6 +50,9 @@ class KLBudgetParams:
     check_every: int = 4            # optimiser steps between measurements
     n_prompts: int = 32             # distinct training prompts sampled per measurement (the
                                     #   estimate's noise falls as 1/sqrt(n))
+    backtrack: int = 0              # past the target: this many more measurements, halving the
+                                    #   way back from there to the last state within it (1/2, 1/4
+                                    #   ...; 0 = that state itself)
 
 
 @dataclass(frozen=True)
