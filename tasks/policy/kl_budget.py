@@ -130,21 +130,24 @@ class Snapshot:
         self.policy = policy
         self.take(0)
 
-    def trained(self) -> dict[str, torch.Tensor]:
-        return {k: q.detach().clone() for k, q in self.policy.named_parameters()
-                if q.requires_grad}
-
     def take(self, step: float) -> None:
-        self.state, self.step = self.trained(), step
+        self.state = {k: q.detach().clone() for k, q in self.policy.named_parameters()
+                      if q.requires_grad}
+        self.step = step
 
-    def restore(self, toward: dict[str, torch.Tensor] | None = None,
-                fraction: float = 0.0) -> None:
-        """The kept weights, or those `fraction` of the way from them to `toward`'s."""
+    def restore(self) -> None:
         with torch.no_grad():
             for k, q in self.policy.named_parameters():
                 if k in self.state:
-                    q.copy_(self.state[k] if toward is None else
-                            torch.lerp(self.state[k], toward[k], fraction))
+                    q.copy_(self.state[k])
+
+    def halve(self) -> None:
+        """The weights half way from where they are back to the kept ones, in place (no copy
+        of the state past the target: a 7B policy's weights are not held three times)."""
+        with torch.no_grad():
+            for k, q in self.policy.named_parameters():
+                if k in self.state:
+                    q.lerp_(self.state[k], 0.5)
 
 
 def check(guard: KLGuard, snapshot: Snapshot, step: int) -> bool:
@@ -155,10 +158,10 @@ def check(guard: KLGuard, snapshot: Snapshot, step: int) -> bool:
     if guard.within(step):
         snapshot.take(step)
         return False
-    past, fraction = snapshot.trained(), 1.0
+    fraction = 1.0
     for _ in range(guard.budget.backtrack):
         fraction /= 2
-        snapshot.restore(past, fraction)
+        snapshot.halve()
         if guard.within(snapshot.step + fraction * (step - snapshot.step)):
             return True
     snapshot.restore()
