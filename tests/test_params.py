@@ -290,7 +290,16 @@ def test_judge_workers_are_for_pointwise_judges(tmp_path: Path) -> None:
      "11: update.dpo.batch_size: must be > 0, got 0"),
     ("    beta: 0.1\n", "    beta: 0.1\n    lr: -1.0e-3\n",
      "11: update.dpo.lr: must be > 0, got -0.001"),
-], ids=["rm-batch-negative", "rm-epochs-zero", "dpo-batch-zero", "dpo-lr-negative"])
+    ("    beta: 0.1\n", "    beta: 0.1\n  kl_budget:\n    check_every: 0\n",
+     "12: update.kl_budget.check_every: must be > 0, got 0"),
+    ("    beta: 0.1\n", "    beta: 0.1\n  kl_budget:\n    n_prompts: 0\n",
+     "12: update.kl_budget.n_prompts: must be > 0, got 0"),
+    ("    beta: 0.1\n", "    beta: 0.1\n  kl_budget:\n    total: 20\n    backtrack: -1\n",
+     "13: update.kl_budget.backtrack: must be >= 0 (0 = off), got -1"),
+    ("    beta: 0.1\n", "    beta: 0.1\n  kl_budget:\n    total: -5\n",
+     "12: update.kl_budget.total: must be >= 0 (0 = off), got -5.0"),
+], ids=["rm-batch-negative", "rm-epochs-zero", "dpo-batch-zero", "dpo-lr-negative",
+        "kl-check-every-zero", "kl-prompts-zero", "kl-backtrack-negative", "kl-total-negative"])
 def test_sizes_and_counts_must_be_positive(tmp_path: Path, old: str, new: str,
                                            expected: str) -> None:
     path = write(tmp_path, BASE.replace(old, new))

@@ -260,6 +260,7 @@ POSITIVE = (
     "train_rm.batch_size", "train_rm.max_length",
     "update.max_length", "update.dpo.lr", "update.dpo.epochs", "update.dpo.batch_size",
     "update.ppo.lr", "update.ppo.epochs", "update.ppo.minibatch_size", "update.ppo.value_lr",
+    "update.kl_budget.check_every", "update.kl_budget.n_prompts",
     "evaluate.n_prompts", "evaluate.bootstrap", "evaluate.generation.max_new_tokens",
     "evaluate.generation.batch_size", "evaluate.best_of_n.n_prompts",
     "evaluate.redteam.samples_per_prompt",
@@ -277,6 +278,10 @@ def _check_sizes(p: Params, b: _Builder) -> None:
     if p.train_rm.epochs < 0 or (p.train_rm.epochs == 0 and p.train_rm.head_init != "probe"):
         b.fail(("train_rm", "epochs"), f"must be > 0 (or 0 with head_init: probe, the probe "
                f"alone), got {p.train_rm.epochs}")
+    kl = p.update.kl_budget
+    for key in ("total", "per_iteration", "backtrack"):
+        if getattr(kl, key) < 0:
+            b.fail(("update", "kl_budget", key), f"must be >= 0 (0 = off), got {getattr(kl, key)}")
     if p.evaluate.best_of_n.n < 0:
         b.fail(("evaluate", "best_of_n", "n"), f"must be >= 0 (0 = off), got "
                f"{p.evaluate.best_of_n.n}")
