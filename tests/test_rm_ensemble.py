@@ -315,6 +315,30 @@ def test_prompt_batches_keep_a_prompts_pairs_together() -> None:
     assert again == batches and prompt_batches(data, 6, torch.Generator().manual_seed(2)) != batches
 
 
+@pytest.mark.parametrize("sizes, batch_size, expected", [
+    ([5, 5, 5, 5], 8, [10, 10]),          # 10 is 2 over, 5 is 3 short: two prompts a batch
+    ([3, 3, 3, 3, 3], 8, [9, 6]),         # 9 is 1 over, 6 is 2 short
+    ([20, 2, 2], 8, None),                # a prompt over the size is a batch of its own
+    ([1] * 10, 4, [4, 4, 2]),             # one pair a prompt: the fixed size, as before
+])
+def test_prompt_batches_score_each_response_once_an_epoch(sizes: list[int], batch_size: int,
+                                                          expected: list[int] | None) -> None:
+    from tasks.reward.features import EncodedPair
+    from tasks.reward.reward_model import prompt_batches
+    data = [EncodedPair((p,), (i,), (i + 100,)) for p, n in enumerate(sizes) for i in range(n)]
+    batches = prompt_batches(data, batch_size, torch.Generator().manual_seed(0))
+    where = {}
+    for b, batch in enumerate(batches):
+        for e in batch:
+            assert where.setdefault(e.prompt_ids, b) == b    # a prompt's pairs in one batch
+    key = lambda e: (e.prompt_ids, e.chosen_ids)
+    assert sorted((e for bt in batches for e in bt), key=key) == data          # each once
+    if expected is not None:
+        assert [len(bt) for bt in batches] == expected
+    else:
+        assert any(len(bt) == 20 for bt in batches) and max(len(bt) for bt in batches) == 20
+
+
 def test_the_window_keeps_the_newest_iterations_and_every_off_policy_and_audited_pair() -> None:
     from tasks.stages.train_rm import window
     pool = [pair(i, f"iter_{i % 5 + 1}") for i in range(10)] + [pair(10, "cold_start"),

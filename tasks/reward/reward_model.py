@@ -220,15 +220,24 @@ def member_pair_rewards(model: RewardModel, batch: Sequence[EncodedPair],
 
 def prompt_batches(data: Sequence[EncodedPair], batch_size: int,
                    rng: torch.Generator) -> list[list[EncodedPair]]:
-    """An epoch's batches of `batch_size` pairs: the prompts in a random order, each prompt's
-    pairs kept together, so a batch scores each shared response and prompt once."""
+    """An epoch's batches: the prompts in a random order, each prompt's pairs whole in one
+    batch, a batch taking the next prompt while that leaves it nearer `batch_size` pairs than
+    it is (a prompt with more pairs than that is a batch of its own). Each response is scored
+    once an epoch and each prompt once per step: with every pair of K samples (`judge.pool_pairs:
+    all`, ~20 pairs over 8 responses) a cut through a prompt's pairs scored its responses in
+    two steps, 1.35 times per epoch on a 96-prompt pool."""
     groups: dict[tuple[int, ...], list[EncodedPair]] = {}
     for e in data:
         groups.setdefault(e.prompt_ids, []).append(e)
     ordered = list(groups.values())
-    flat = [e for g in torch.randperm(len(ordered), generator=rng).tolist()  # cpu: its generator
-            for e in ordered[g]]
-    return [flat[s: s + batch_size] for s in range(0, len(flat), batch_size)]
+    batches: list[list[EncodedPair]] = []
+    for g in torch.randperm(len(ordered), generator=rng).tolist():  # cpu: its generator
+        group, last = ordered[g], batches[-1] if batches else []
+        if last and len(last) + len(group) - batch_size < batch_size - len(last):
+            last.extend(group)                  # over by less than it is short: take it
+        else:
+            batches.append(list(group))
+    return batches
 
 
 def member_rewards(model: RewardModel, prompts: Sequence[Sequence[int]],
@@ -346,11 +355,12 @@ def train_reward(model: transformers.PreTrainedModel, train: Sequence[EncodedPai
     trained = freeze_lower(model, p.freeze_layers, p.freeze_embeddings)
     opt = torch.optim.AdamW(trained, lr=p.lr, weight_decay=p.weight_decay)
     losses: list[float] = []
-    pg = progress.track(p.epochs * -(-len(train) // p.batch_size), "steps", "pairs")
+    epochs = [prompt_batches(train, p.batch_size, rng) for _ in range(p.epochs)]  # every rank
+    pg = progress.track(sum(len(e) for e in epochs), "steps", "pairs")
     device = device_of(model)
-    for _ in range(p.epochs):
+    for batches in epochs:
         model.train()
-        for batch in prompt_batches(train, p.batch_size, rng):      # the same on every rank
+        for batch in batches:
             shard = [batch[i] for i in group.shard(
                 torch.arange(len(batch))).tolist()]   # cpu: list indices, read back at once
             opt.zero_grad()

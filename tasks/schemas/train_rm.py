@@ -10,7 +10,8 @@ class TrainRMParams:
     lr: float = 1e-3                # AdamW learning rate (fine-tuning)
     epochs: int = 2                 # fine-tuning passes over the pair pool (after the probe, with
                                     #   head_init: probe; 0 = the probe alone)
-    batch_size: int = 16            # pairs per step (fine-tuning; a prompt's pairs stay together)
+    batch_size: int = 16            # pairs per step (fine-tuning), about: whole prompts, as many
+                                    #   as come nearest (reward_model.prompt_batches)
     heldout_fraction: float = 0.2   # share of prompts held out for pairwise accuracy
     max_length: int = 96            # prompt + response tokens
     weight_decay: float = 0.0       # AdamW weight decay
