@@ -37,7 +37,9 @@ def test_an_update_past_its_budget_commits_a_state_part_of_the_way_back(tiny_run
     measured = _update(ws, 1)
     steps = measured["update/steps"]
     assert measured["update/kl_stopped"] == 0.0 and measured["update/kl_checks"] == 1.0
-    assert lm.weights_md5(ws / "models" / "iter_1" / "policy") == free   # measuring moves nothing
+    # measuring draws from its own generator and changes no weight: the same update on the same
+    # machine (kernels, threads, shapes) trains the same bits
+    assert lm.weights_md5(ws / "models" / "iter_1" / "policy") == free
     overshoot = measured["update/kl_last"]
     assert overshoot > 0.0
 
