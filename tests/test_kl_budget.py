@@ -109,6 +109,23 @@ def test_with_no_backtracked_state_within_the_target_the_last_one_within_is_rest
     assert all(torch.equal(v, kept[k]) for k, v in policy.state_dict().items())
 
 
+def test_a_snapshot_keeps_each_state_in_its_own_tensors_without_a_second_copy():
+    policy = _model()
+    snap = kl_budget.Snapshot(policy)
+    where = {k: v.data_ptr() for k, v in snap.state.items()}
+    with torch.no_grad():
+        for q in policy.parameters():
+            q.add_(1.0)
+    snap.take(4)
+    assert snap.step == 4 and {k: v.data_ptr() for k, v in snap.state.items()} == where
+    assert all(torch.equal(snap.state[k], q) for k, q in policy.named_parameters())
+    with torch.no_grad():
+        for q in policy.parameters():
+            q.sub_(3.0)
+    snap.restore()
+    assert all(torch.equal(snap.state[k], q) for k, q in policy.named_parameters())
+
+
 def test_a_start_past_the_total_trains_nothing():
     policy, ref = _model(), _model()
     before = copy.deepcopy(policy.state_dict())

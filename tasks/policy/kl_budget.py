@@ -128,11 +128,17 @@ class Snapshot:
 
     def __init__(self, policy: torch.nn.Module) -> None:
         self.policy = policy
-        self.take(0)
+        self.state = {k: q.detach().clone() for k, q in policy.named_parameters()
+                      if q.requires_grad}
+        self.step: float = 0
 
     def take(self, step: float) -> None:
-        self.state = {k: q.detach().clone() for k, q in self.policy.named_parameters()
-                      if q.requires_grad}
+        """Keep the weights as they are, copied into the snapshot's own tensors (a fresh clone
+        beside the old one would hold a full policy's weights three times for a moment)."""
+        with torch.no_grad():
+            for k, q in self.policy.named_parameters():
+                if k in self.state:
+                    self.state[k].copy_(q)
         self.step = step
 
     def restore(self) -> None:
